@@ -1,0 +1,26 @@
+"""The two collectives checkpointing needs, on its own gloo group (no-ops without torch.distributed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def all_ranks_agree(group: dist.ProcessGroup | None, ok: bool) -> bool:
+    """True only if ``ok`` is true on every rank. Every rank must call it at the same point."""
+    if group is None:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def broadcast_from_rank0(group: dist.ProcessGroup | None, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (picklable objects)."""
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]

@@ -1,0 +1,260 @@
+"""The checkpoint manager: restore at the start, save on an interval, register with Ray when durable.
+
+A checkpoint goes state -> stage -> write/upload -> commit (``.metadata``) -> register with Ray
+-> retention (Ray's ``CheckpointConfig.num_to_keep``).
+
+Why registration uses ``CheckpointUploadMode.ASYNC`` with an identity upload function, one
+interval late: a checkpoint must reach Ray only once every rank's data is durable, and a save
+that failed must not reach it at all. Reporting at save time would hand Ray an unfinished
+checkpoint, and an ASYNC ``checkpoint_upload_fn`` must return a checkpoint (anything it raises
+kills the training thread), so a failed save cannot be withdrawn. So a save is reported after it
+finished, at the next point where every rank already stops for it (the next save, a preemption
+save, ``finish()``), and only if all ranks agreed it is complete. ASYNC rather than NO_UPLOAD so
+that putting the result on Ray's size-1 result queue (drained by the controller every ~2 s)
+happens on Ray's upload thread, not in the training loop. A crash between durable and
+registered loses nothing: :meth:`CheckpointManager.restore` also finds complete checkpoints
+that Ray never registered, and registers the one it resumes from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+import ray.train
+import torch
+from ray.train import Checkpoint, CheckpointUploadMode
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ray_resilient.checkpoint.collectives import broadcast_from_rank0
+from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
+from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.state import TrainingComponents, TrainState
+from ray_resilient.checkpoint.storage import CheckpointStorage
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
+from ray_resilient.faults import FaultInjector
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RuntimeError):
+    """The final checkpoint could not be made durable."""
+
+
+def _already_durable(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
+    return checkpoint
+
+
+class CheckpointManager:
+    """Sharded asynchronous DCP checkpoints of a Ray Train run, with automatic resume.
+
+    Use inside a ``TorchTrainer`` train function, after ``prepare_model``::
+
+        with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=sampler,
+                               interval_steps=100, seed=seed) as ckpt:
+            state = ckpt.restore()                 # newest complete checkpoint, or fresh
+            for epoch in range(state.epoch, epochs):
+                for batch in loader:
+                    loss = train_step(batch)
+                    ckpt.step_completed(epoch, {"loss": loss.item()})
+            ckpt.finish()                          # final checkpoint, waited for and reported
+
+    Args:
+        model: the (DDP/FSDP-wrapped or plain) model; saved without wrapper prefixes.
+        optimizer: its optimizer, saved by parameter name (so it reshards).
+        lr_scheduler: saved and restored when given.
+        grad_scaler: a ``torch.amp.GradScaler``; saved when given and enabled.
+        data: the per-rank data position (a Stateful; a ``ReshardableStateful`` to continue
+            exactly after a change of world size).
+        extras: further Statefuls, identical on every rank, saved once by name.
+        interval_steps: checkpoint every this many steps. Each save stalls the loop only for
+            the staging copy, so short intervals are cheap; lost work per failure is about
+            half an interval.
+        seed: the run's seed, recorded, and used to re-derive RNG streams after a resize.
+        preemption_check_steps: ask Ray for imminent preemption every this many steps and
+            save a just-in-time checkpoint. Each check is a barrier across workers (a few ms).
+        storage: where checkpoints go; defaults to the Ray run's storage.
+        faults: a fault-injection plan (see :mod:`ray_resilient.faults`); defaults to the
+            ``RAY_RESILIENT_FAULTS`` environment variable, normally unset (no faults).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        lr_scheduler: Any | None = None,
+        grad_scaler: Any | None = None,
+        data: Stateful | None = None,
+        extras: Mapping[str, Stateful] | None = None,
+        interval_steps: int = 100,
+        seed: int = 0,
+        preemption_check_steps: int = 10,
+        storage: CheckpointStorage | None = None,
+        faults: str | None = None,
+    ):
+        if interval_steps < 1:
+            raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
+        if preemption_check_steps < 1:
+            raise ValueError(f"preemption_check_steps must be >= 1, got {preemption_check_steps}")
+        self.components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
+        self.interval_steps = interval_steps
+        self.preemption_check_steps = preemption_check_steps
+        context = ray.train.get_context()
+        self.rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self.storage = storage or CheckpointStorage.from_ray_context()
+        self.faults = FaultInjector.from_plan(faults, self.rank, self.storage.filesystem, self.storage.experiment_path)
+        self.train_state = TrainState(world_size=self.world_size, seed=seed)
+        self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults)
+        self._attempt = 0
+        self._pending_metrics: dict[str, Any] = {}
+        self._last_saved_step: int | None = None
+        self._saved_for_preemption = False
+        self.failed_saves = 0
+        self.last_stall_seconds = 0.0
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            # Failing: registering would be a barrier the other ranks never reach; the
+            # worker group is about to restart from the newest complete checkpoint anyway.
+            self._writer.abandon()
+
+    # --- restore ---------------------------------------------------------------------------
+
+    def restore(self) -> TrainState:
+        """Restore the newest complete checkpoint of the run (or start fresh) and say where.
+
+        Complete checkpoints Ray never registered count too; partial ones are skipped (and
+        deleted once older than a complete one); one that fails to load is skipped with a
+        warning in favour of the previous complete one.
+        """
+        started = time.monotonic()
+        group = self._writer.group
+        registered = ray.train.get_checkpoint()
+        registered_path = registered.path if registered is not None else None
+        if ray.train.get_context().get_local_rank() == 0:
+            self.storage.clear_local_staging()
+        plan = None
+        if self.rank == 0:
+            plan = find_complete_checkpoints(self.storage, registered_path)
+            delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
+        plan = broadcast_from_rank0(group, plan)
+        self._attempt = plan.next_attempt
+        for partial in plan.partial:
+            logger.warning("Skipping partial checkpoint %s (no .metadata: its save never finished)", partial.path)
+        loaded = load_newest_loadable(
+            self.storage, plan.candidates, self.components, self.rank, self.world_size, group
+        )
+        if loaded is None:
+            if plan.candidates or plan.partial:
+                logger.warning("No loadable complete checkpoint in %s: starting fresh", self.storage.experiment_path)
+            return self.train_state
+        ckpt, saved = loaded
+        self.train_state = TrainState(saved.step, saved.epoch, self.world_size, saved.seed)
+        self._last_saved_step = saved.step
+        older = {c.path for c in plan.candidates if c < ckpt}
+        if registered_path is None or registered_path in older:
+            # Durable before a crash but never registered: hand it to Ray now, so that
+            # get_checkpoint(), Result.checkpoint and num_to_keep all know it.
+            self._register(ckpt.path, {"step": saved.step, "epoch": saved.epoch})
+        logger.info("Resuming at step %d, epoch %d (restore took %.3fs)", saved.step, saved.epoch,
+                    time.monotonic() - started)
+        return self.train_state
+
+    # --- training loop -----------------------------------------------------------------------
+
+    def step_completed(self, epoch: int, metrics: Mapping[str, Any] | None = None) -> None:
+        """Count one finished training step; checkpoint when the interval or a preemption says so."""
+        state = self.train_state
+        state.step += 1
+        state.epoch = epoch
+        self.faults.fire("step", state.step)
+        if state.step % self.interval_steps == 0:
+            self._checkpoint(metrics or {})
+        elif state.step % self.preemption_check_steps == 0 and self._preemption_imminent():
+            self._checkpoint(metrics or {}, wait=True)
+
+    def finish(self, metrics: Mapping[str, Any] | None = None) -> SaveResult | None:
+        """Save the final state (unless just saved), wait until durable, register it with Ray.
+
+        Raises CheckpointSaveError if the final checkpoint could not be made durable.
+        """
+        if self._last_saved_step == self.train_state.step and self._writer.pending is None:
+            return None
+        if self._last_saved_step == self.train_state.step:
+            result = self._complete_pending()
+        else:
+            result = self._checkpoint(metrics or {}, wait=True)
+        if result is None or not result.ok:
+            raise CheckpointSaveError(
+                f"the final checkpoint at step {self.train_state.step} failed: "
+                f"{result.error if result else 'no result'}; the newest complete checkpoint is kept"
+            )
+        return result
+
+    def close(self) -> None:
+        """Wait for the save in flight (registering it), then release the writer's resources."""
+        self._complete_pending()
+        self._writer.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _preemption_imminent(self) -> bool:
+        if self._saved_for_preemption:
+            return False
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return False
+        logger.warning("Preemption of ranks %s imminent: saving a just-in-time checkpoint", info.preempted_ranks)
+        self._saved_for_preemption = True
+        return True
+
+    def _checkpoint(self, metrics: Mapping[str, Any], wait: bool = False) -> SaveResult | None:
+        """Start a save of the current state (after finishing the previous one)."""
+        started = time.monotonic()
+        self._complete_pending()
+        step = self.train_state.step
+        state = self.components.state_to_save(self.train_state, self.rank)
+        self._writer.save(state, step, checkpoint_dir_name(step, self._attempt))
+        self._last_saved_step = step
+        self._pending_metrics = {**metrics, "step": step, "epoch": self.train_state.epoch}
+        self.last_stall_seconds = time.monotonic() - started
+        self._pending_metrics["checkpoint_stall_seconds"] = self.last_stall_seconds
+        return self._complete_pending() if wait else None
+
+    def _complete_pending(self) -> SaveResult | None:
+        """Wait for the save in flight; register it with Ray if every rank made it durable."""
+        result = self._writer.wait()
+        if result is None:
+            return None
+        if result.ok:
+            self._register(result.path, {
+                **self._pending_metrics,
+                "checkpoint_stage_seconds": result.stage_seconds,
+                "checkpoint_durable_seconds": result.durable_seconds,
+                "checkpoint_failed_saves": self.failed_saves,
+            })
+        else:
+            self.failed_saves += 1
+            self._last_saved_step = None
+            logger.error("Checkpoint at step %d not saved (%s); retrying at the next interval (%d failed so far)",
+                         result.step, result.error, self.failed_saves)
+        return result
+
+    def _register(self, path: str, metrics: Mapping[str, Any]) -> None:
+        checkpoint = Checkpoint(path, filesystem=self.storage.filesystem)
+        ray.train.report(
+            dict(metrics),
+            checkpoint=checkpoint,
+            checkpoint_dir_name=path.rsplit("/", 1)[-1],
+            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+            checkpoint_upload_fn=_already_durable,
+            delete_local_checkpoint_after_upload=False,
+        )

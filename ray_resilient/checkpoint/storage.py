@@ -1,0 +1,140 @@
+"""The run's checkpoint storage: a pyarrow filesystem plus the experiment directory on it.
+
+Local storage (a disk or a shared mount) is written in place by DCP. Remote storage (S3, GCS,
+...) is written through fast local disk: DCP writes the shards locally, each rank uploads its
+own files, and ``.metadata`` is uploaded last, once every rank's upload has succeeded.
+Reading goes straight from the filesystem, remote or not, through :class:`ArrowDCPReader`, so
+each rank reads only the byte ranges it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+
+from ray_resilient.checkpoint.layout import METADATA_FILE
+
+
+@dataclass(frozen=True)
+class CheckpointStorage:
+    """Where one run's checkpoints go.
+
+    Args:
+        filesystem: the storage filesystem (Ray's ``StorageContext.storage_filesystem``).
+        experiment_path: the run directory on it (``StorageContext.experiment_fs_path``).
+        local_dir: fast local disk for staging uploads to remote storage.
+    """
+
+    filesystem: pafs.FileSystem
+    experiment_path: str
+    local_dir: str
+
+    @classmethod
+    def from_ray_context(cls, local_dir: str | None = None) -> "CheckpointStorage":
+        """The storage of the current Ray Train run (call inside a train function)."""
+        import ray.train
+
+        storage = ray.train.get_context().get_storage()
+        run_name = Path(storage.experiment_fs_path).name
+        default_local = os.path.join(tempfile.gettempdir(), "ray_resilient", run_name)
+        return cls(storage.storage_filesystem, storage.experiment_fs_path, local_dir or default_local)
+
+    @property
+    def is_remote(self) -> bool:
+        """True unless the filesystem is the local one (remote writes are staged locally)."""
+        return not isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    def checkpoint_path(self, name: str) -> str:
+        return f"{self.experiment_path}/{name}"
+
+    def write_dir(self, name: str, rank: int) -> str:
+        """Where this rank's DCP writer puts the files of checkpoint ``name``."""
+        if not self.is_remote:
+            return self.checkpoint_path(name)
+        return os.path.join(self.local_dir, "staging", name, f"rank_{rank}")
+
+    def clear_local_staging(self) -> None:
+        """Remove staged files left on this node by a crashed attempt (call before any save)."""
+        shutil.rmtree(os.path.join(self.local_dir, "staging"), ignore_errors=True)
+
+    def upload_shards(self, name: str, rank: int) -> int:
+        """Upload this rank's shard files (not ``.metadata``). Returns the bytes uploaded."""
+        local = Path(self.write_dir(name, rank))
+        remote = self.checkpoint_path(name)
+        self.filesystem.create_dir(remote)
+        total = 0
+        for file in sorted(local.iterdir()):
+            if file.name == METADATA_FILE:
+                continue
+            self._upload_file(file, f"{remote}/{file.name}")
+            total += file.stat().st_size
+        return total
+
+    def upload_metadata(self, name: str, rank: int) -> None:
+        """Upload ``.metadata``, the completeness marker (a single atomic object PUT)."""
+        local = Path(self.write_dir(name, rank), METADATA_FILE)
+        self._upload_file(local, f"{self.checkpoint_path(name)}/{METADATA_FILE}")
+
+    def _upload_file(self, local: Path, remote: str) -> None:
+        pafs.copy_files(
+            str(local), remote, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.filesystem
+        )
+
+    def reader(self, path: str) -> "ArrowDCPReader":
+        return ArrowDCPReader(self.filesystem, path)
+
+
+class _ArrowFileSystem(FileSystemBase):
+    """DCP's filesystem interface over a pyarrow filesystem (read side)."""
+
+    def __init__(self, fs: pafs.FileSystem):
+        self.fs = fs
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator:
+        if mode != "rb":
+            raise ValueError(f"ArrowDCPReader is read-only, got mode {mode!r}")
+        with self.fs.open_input_file(os.fspath(path)) as stream:
+            yield stream
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{os.fspath(path)}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike, **kwargs) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        self.fs.move(os.fspath(path), os.fspath(new_path))
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        self.fs.create_dir(os.fspath(path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.fs.get_file_info(os.fspath(path)).type != pafs.FileType.NotFound
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.fs.delete_file(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return [i.path for i in self.fs.get_file_info(pafs.FileSelector(os.fspath(path)))]
+
+
+class ArrowDCPReader(FileSystemReader):
+    """A DCP ``StorageReader`` for a checkpoint directory on any pyarrow filesystem."""
+
+    def __init__(self, fs: pafs.FileSystem, path: str):
+        super().__init__(path)
+        self.fs = _ArrowFileSystem(fs)
+        self.path = path

@@ -1,0 +1,108 @@
+"""Fault injection at real points of a run: off unless configured, each fault fires once per run.
+
+A plan is a ``;``-separated list of ``ACTION:POINT=STEP[:rank=R]``, taken from the job's
+command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
+
+- ACTION: ``kill`` (SIGKILL this worker process), ``raise`` (raise :class:`InjectedFault`),
+  ``fail_write`` (make the checkpoint write fail with an ``OSError``).
+- POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
+  step), ``upload`` (while writing/uploading it, after part of it is written), ``durable``
+  (after it is durable, before Ray registers it).
+
+Example: ``kill:step=7:rank=1;kill:upload=20`` kills rank 1 after step 7, then rank 0 (the
+default rank) in the middle of writing the checkpoint of step 20. A fault fires once per run:
+before firing it leaves a marker in the run's storage, so the restarted attempt goes past it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+logger = logging.getLogger(__name__)
+
+FAULTS_ENV = "RAY_RESILIENT_FAULTS"
+ACTIONS = ("kill", "raise", "fail_write")
+POINTS = ("step", "staging", "upload", "durable")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``raise`` fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    point: str
+    step: int
+    rank: int = 0
+
+    @property
+    def marker(self) -> str:
+        return f"{self.action}-{self.point}-{self.step}-rank{self.rank}"
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """Parse a fault plan; raises ValueError naming the bad entry and the expected form."""
+    faults = []
+    for entry in filter(None, (part.strip() for part in spec.split(";"))):
+        fields = entry.split(":")
+        try:
+            action = fields[0]
+            point, step = fields[1].split("=")
+            rank = 0
+            for extra in fields[2:]:
+                key, value = extra.split("=")
+                if key != "rank":
+                    raise ValueError(key)
+                rank = int(value)
+            fault = Fault(action, point, int(step), rank)
+        except (IndexError, ValueError) as err:
+            raise ValueError(
+                f"bad fault {entry!r}: expected ACTION:POINT=STEP[:rank=R], e.g. kill:step=7:rank=1"
+            ) from err
+        if fault.action not in ACTIONS or fault.point not in POINTS:
+            raise ValueError(f"bad fault {entry!r}: action must be one of {ACTIONS}, point one of {POINTS}")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """Fires the faults of a plan on this rank, once per run (markers under ``marker_dir``)."""
+
+    def __init__(self, faults: list[Fault], rank: int, filesystem: pafs.FileSystem, marker_dir: str):
+        self.faults = [f for f in faults if f.rank == rank]
+        self.filesystem = filesystem
+        self.marker_dir = marker_dir
+
+    @classmethod
+    def from_plan(
+        cls, plan: str | None, rank: int, filesystem: pafs.FileSystem, experiment_path: str
+    ) -> "FaultInjector":
+        """The injector for ``plan`` (``RAY_RESILIENT_FAULTS`` when None), markers in the run dir."""
+        spec = os.environ.get(FAULTS_ENV, "") if plan is None else plan
+        return cls(parse_faults(spec), rank, filesystem, f"{experiment_path}/.faults")
+
+    def fire(self, point: str, step: int) -> None:
+        """Fire the fault planned at (point, step) unless it already fired in this run."""
+        for fault in self.faults:
+            if fault.point == point and fault.step == step and self._claim(fault):
+                logger.warning("Injecting fault %s", fault.marker)
+                if fault.action == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fault.action == "fail_write":
+                    raise OSError(f"injected storage write failure ({fault.marker})")
+                raise InjectedFault(fault.marker)
+
+    def _claim(self, fault: Fault) -> bool:
+        path = f"{self.marker_dir}/{fault.marker}"
+        if self.filesystem.get_file_info(path).type != pafs.FileType.NotFound:
+            return False
+        self.filesystem.create_dir(self.marker_dir)
+        with self.filesystem.open_output_stream(path) as out:
+            out.write(b"fired\n")
+        return True

@@ -1,0 +1,188 @@
+"""Checkpointing inside real Ray Train runs: 2 CPU workers on gloo, real SIGKILLs, real DCP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+import trainlib
+from ray_resilient import list_checkpoints
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
+
+JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # 24 steps
+
+
+def job_config(record_dir, faults: str = "") -> dict:
+    os.makedirs(record_dir, exist_ok=True)
+    return {**JOB, "record_dir": str(record_dir), "faults": faults}
+
+
+def final_weights(record_dir) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(record_dir, "final_weights.pt"))
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+@pytest.fixture(scope="session")
+def reference(ray_cluster, tmp_path_factory):
+    """An uninterrupted run: its final weights and consumed samples are what every resumed run must match."""
+    root = tmp_path_factory.mktemp("reference")
+    result = trainlib.run_job(trainlib.train_fn, job_config(root / "rec"), str(root / "storage"), "reference")
+    assert result.error is None
+    return {"dir": root, "result": result, "record": root / "rec"}
+
+
+def test_uninterrupted_run_registers_complete_checkpoints_and_keeps_num_to_keep(reference):
+    result = reference["result"]
+    experiment = str(reference["dir"] / "storage" / "reference")
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), experiment)
+    assert [c.step for c in checkpoints] == [20, 24]  # num_to_keep=2 of 5, 10, 15, 20, 24
+    assert all(c.complete for c in checkpoints)
+    assert result.checkpoint.path == checkpoints[-1].path
+    assert result.metrics["step"] == 24 and result.metrics["checkpoint_failed_saves"] == 0
+
+
+def test_sigkilled_workers_resume_bitwise_identical(reference, tmp_path):
+    # Rank 1 dies mid-interval; later rank 0 dies after checkpoint 20 is durable but before
+    # Ray registered it (registration happens at the next save).
+    record = tmp_path / "rec"
+    result = trainlib.run_job(trainlib.train_fn, job_config(record, "kill:step=12:rank=1;kill:durable=20"),
+                              str(tmp_path / "storage"), "killed")
+    assert result.error is None
+    attempts = trainlib.read_attempts(str(record))
+    # The save of step 10 may still be in flight when rank 1 dies at step 12 (it is async).
+    assert [a["restored_step"] for a in attempts] in ([0, 5, 20], [0, 10, 20])
+    # The third attempt resumed from checkpoint 20, which Ray had not registered.
+    registered_step = int(attempts[2]["registered"].rsplit("/", 1)[-1].split("_")[1])
+    assert registered_step < 20
+    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+    for rank in (0, 1):
+        assert trainlib.consumed_samples(str(record), rank) == trainlib.consumed_samples(str(reference["record"]), rank)
+
+
+def test_sigkill_during_upload_skips_then_collects_the_partial_checkpoint(reference, tmp_path):
+    record = tmp_path / "rec"
+    storage = tmp_path / "storage"
+    result = trainlib.run_job(trainlib.train_fn, job_config(record, "kill:upload=10:rank=1"), str(storage), "upload",
+                              num_to_keep=None)
+    assert result.error is None
+    attempts = trainlib.read_attempts(str(record))
+    assert [a["restored_step"] for a in attempts] == [0, 5]
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "upload"))
+    # Every committed checkpoint survives; the partial checkpoint_10 of the first attempt is gone,
+    # replaced by the recomputed one of the second attempt.
+    assert [(c.step, c.attempt) for c in checkpoints] == [(5, 0), (10, 1), (15, 1), (20, 1), (24, 1)]
+    assert all(c.complete for c in checkpoints)
+    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+
+
+def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, tmp_path):
+    record = tmp_path / "rec"
+    storage = tmp_path / "storage"
+    result = trainlib.run_job(trainlib.train_fn, job_config(record, "fail_write:upload=10:rank=1"), str(storage),
+                              "failing", num_to_keep=None)
+    assert result.error is None
+    assert result.metrics["checkpoint_failed_saves"] == 1
+    assert len(trainlib.read_attempts(str(record))) == 1  # no restart
+    steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "failing"))]
+    assert steps == [5, 15, 20, 24]  # 10 failed, was never complete, and was collected
+    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+
+
+def test_partial_checkpoints_only_start_fresh(reference, tmp_path):
+    storage = tmp_path / "storage"
+    for step in (5, 10):  # shards without .metadata: saves that never finished
+        partial = storage / "partial" / f"checkpoint_{step:010d}_000"
+        partial.mkdir(parents=True)
+        (partial / "__0_0.distcp").write_bytes(b"half-written")
+    record = tmp_path / "rec"
+    result = trainlib.run_job(trainlib.train_fn, job_config(record), str(storage), "partial")
+    assert result.error is None
+    assert trainlib.read_attempts(str(record))[0]["restored_step"] == 0
+    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+    steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "partial"))]
+    assert 5 not in steps and 10 not in {s for s in steps if s < 20}  # partial dirs were collected
+
+
+def test_plain_torch_loads_the_model_from_a_checkpoint_directory(reference):
+    """The format is standard DCP: a fresh process with only torch reads the model state."""
+    checkpoint = reference["result"].checkpoint.path
+    script = textwrap.dedent(f"""
+        import sys, torch
+        import torch.distributed.checkpoint as dcp
+        reference = torch.load({str(reference["record"] / "final_weights.pt")!r})
+        state = {{"model": {{k: torch.empty_like(v) for k, v in reference.items()}}}}
+        dcp.load(state, checkpoint_id={checkpoint!r})
+        assert all(torch.equal(state["model"][k], reference[k]) for k in reference)
+        assert not any(m.split(".")[0] in ("ray", "ray_resilient") for m in sys.modules), "imported more than torch"
+        print("loaded", len(reference), "tensors")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "loaded 4 tensors" in out.stdout
+
+
+def _load_snapshots(record, phase: str, ranks: int) -> list[dict]:
+    return [torch.load(record / f"snapshot-{phase}-rank{r}.pt", weights_only=False) for r in range(ranks)]
+
+
+def _assert_same_state(saved: dict, restored: dict) -> None:
+    assert_same_weights(saved["model"], restored["model"])
+    assert saved["optimizer"]["param_groups"] == restored["optimizer"]["param_groups"]
+    for name, per_param in saved["optimizer"]["state"].items():
+        for key, value in per_param.items():
+            assert torch.equal(value, restored["optimizer"]["state"][name][key]), f"optimizer {name}.{key}"
+    assert saved["scheduler"] == restored["scheduler"]
+    assert saved["scaler"] == restored["scaler"]
+    assert saved["counter"] == restored["counter"]
+
+
+@pytest.mark.parametrize(("save_workers", "restore_workers"), [(2, 2), (2, 1), (1, 2)])
+def test_restore_round_trip_and_resharding(tmp_path, save_workers, restore_workers):
+    record = tmp_path / "rec"
+    record.mkdir()
+    config = {"seed": 3, "steps": 5, "record_dir": str(record)}
+    for phase, workers in (("save", save_workers), ("restore", restore_workers)):
+        result = trainlib.run_job(trainlib.roundtrip_fn, {**config, "phase": phase}, str(tmp_path / "storage"),
+                                  "roundtrip", workers=workers, max_failures=0)
+        assert result.error is None
+    saved = _load_snapshots(record, "save", save_workers)
+    restored = _load_snapshots(record, "restore", restore_workers)
+    for rank, state in enumerate(restored):
+        _assert_same_state(saved[0], state)
+        if save_workers == restore_workers:
+            # Each rank gets its own RNG streams back (they differ per rank: seeded with the rank).
+            assert torch.equal(state["rng"]["torch"], saved[rank]["rng"]["torch"])
+            assert state["rng"]["python"] == saved[rank]["rng"]["python"]
+            assert (state["rng"]["numpy"][1] == saved[rank]["rng"]["numpy"][1]).all()
+        else:
+            # Never another rank's RNG state: streams are re-derived instead.
+            assert not any(torch.equal(state["rng"]["torch"], old["rng"]["torch"]) for old in saved)
+    if save_workers == restore_workers == 2:
+        assert not torch.equal(saved[0]["rng"]["torch"], saved[1]["rng"]["torch"])
+
+
+def test_s3_storage_saves_through_local_disk_and_survives_a_sigkill(reference, s3_server, tmp_path):
+    fs = s3_server.filesystem()
+    record = tmp_path / "rec"
+    storage_path = f"{s3_server.bucket}/checkpoint-test"
+    result = trainlib.run_job(trainlib.train_fn, job_config(record, "kill:upload=10:rank=1"), storage_path, "s3run",
+                              storage_filesystem=fs, num_to_keep=None)
+    assert result.error is None
+    assert result.checkpoint.filesystem.type_name == "s3"
+    assert [a["restored_step"] for a in trainlib.read_attempts(str(record))] == [0, 5]
+    checkpoints = list_checkpoints(fs, f"{storage_path}/s3run")
+    assert [(c.step, c.attempt) for c in checkpoints] == [(5, 0), (10, 1), (15, 1), (20, 1), (24, 1)]
+    assert all(c.complete for c in checkpoints)
+    assert_same_weights(final_weights(record), final_weights(reference["record"]))

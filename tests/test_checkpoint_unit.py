@@ -1,0 +1,128 @@
+"""The checkpoint pieces in one process (no Ray): layout, faults, the writer and the fallback restore."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from ray_resilient.checkpoint.layout import (
+    checkpoint_dir_name,
+    delete_partial_checkpoints,
+    list_checkpoints,
+    parse_checkpoint_dir_name,
+)
+from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.state import TrainingComponents, TrainState
+from ray_resilient.checkpoint.storage import CheckpointStorage
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
+from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults
+
+
+@pytest.fixture
+def storage(tmp_path) -> CheckpointStorage:
+    return CheckpointStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
+
+
+def no_faults(storage: CheckpointStorage, plan: str = "") -> FaultInjector:
+    return FaultInjector(parse_faults(plan), 0, storage.filesystem, f"{storage.experiment_path}/.faults")
+
+
+def make_components(seed: int) -> TrainingComponents:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    return TrainingComponents(model, optimizer)
+
+
+def save(writer: AsyncCheckpointWriter, components: TrainingComponents, step: int, attempt: int = 0):
+    writer.save(components.state_to_save(TrainState(step=step), rank=0), step, checkpoint_dir_name(step, attempt))
+    return writer.wait()
+
+
+def test_checkpoint_names_sort_by_step_then_attempt():
+    assert parse_checkpoint_dir_name(checkpoint_dir_name(42, 3)) == (42, 3)
+    assert parse_checkpoint_dir_name("checkpoint_2026-11-29_17-00-00.000000") is None
+    names = [checkpoint_dir_name(s, a) for s, a in [(10, 1), (9, 2), (10, 0)]]
+    assert sorted(names) == [checkpoint_dir_name(9, 2), checkpoint_dir_name(10, 0), checkpoint_dir_name(10, 1)]
+
+
+def test_partial_collection_keeps_complete_and_newer_partial(storage, tmp_path):
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
+    components = make_components(0)
+    assert save(writer, components, 5).ok and save(writer, components, 10).ok  # 10 collects nothing
+    root = tmp_path / "run"
+    for step in (3, 12):
+        (root / checkpoint_dir_name(step, 0)).mkdir()
+    deleted = delete_partial_checkpoints(storage.filesystem, storage.experiment_path)
+    assert [os.path.basename(p) for p in deleted] == [checkpoint_dir_name(3, 0)]
+    listed = list_checkpoints(storage.filesystem, storage.experiment_path)
+    assert [(c.step, c.complete) for c in listed] == [(5, True), (10, True), (12, False)]
+    writer.close()
+
+
+def test_one_save_in_flight(storage):
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
+    components = make_components(0)
+    writer.save(components.state_to_save(TrainState(step=1), 0), 1, checkpoint_dir_name(1, 0))
+    with pytest.raises(RuntimeError, match="still in flight"):
+        writer.save(components.state_to_save(TrainState(step=2), 0), 2, checkpoint_dir_name(2, 0))
+    assert writer.wait().ok
+    writer.close()
+
+
+def test_failed_write_is_reported_and_never_complete(storage):
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage, "fail_write:upload=4"))
+    result = save(writer, make_components(0), 4)
+    assert not result.ok and "injected storage write failure" in result.error
+    assert not list_checkpoints(storage.filesystem, storage.experiment_path)[0].complete
+    assert save(writer, make_components(0), 8).ok  # the next interval saves normally
+    writer.close()
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(storage, tmp_path, caplog):
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
+    old = make_components(1)
+    save(writer, old, 5)
+    save(writer, make_components(2), 10)
+    writer.close()
+    newest = tmp_path / "run" / checkpoint_dir_name(10, 0)
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated shard
+
+    plan = find_complete_checkpoints(storage, registered_path=None)
+    assert [c.step for c in plan.candidates] == [10, 5] and plan.next_attempt == 1
+    fresh = make_components(3)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_newest_loadable(storage, plan.candidates, fresh, rank=0, world_size=1, group=None)
+    assert loaded is not None and loaded[1].step == 5
+    assert "failed to load" in caplog.text and checkpoint_dir_name(10, 0) in caplog.text
+    for key, value in old.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[key], value)
+
+
+def test_only_partial_checkpoints_load_nothing(storage, tmp_path):
+    (tmp_path / "run" / checkpoint_dir_name(5, 0)).mkdir(parents=True)
+    plan = find_complete_checkpoints(storage, registered_path=None)
+    assert plan.candidates == [] and [c.step for c in plan.partial] == [5] and plan.next_attempt == 1
+    assert load_newest_loadable(storage, plan.candidates, make_components(0), 0, 1, None) is None
+
+
+def test_fault_plan_parsing_and_fire_once(storage):
+    faults = parse_faults("kill:step=7:rank=1; raise:step=3 ;fail_write:upload=10")
+    assert [(f.action, f.point, f.step, f.rank) for f in faults] == [
+        ("kill", "step", 7, 1), ("raise", "step", 3, 0), ("fail_write", "upload", 10, 0)]
+    for bad in ("kill", "kill:step", "explode:step=3", "kill:later=3", "kill:step=3:node=2"):
+        with pytest.raises(ValueError, match="bad fault"):
+            parse_faults(bad)
+    injector = no_faults(storage, "raise:step=3")
+    injector.fire("step", 2)
+    with pytest.raises(InjectedFault):
+        injector.fire("step", 3)
+    # A restarted attempt (a new injector over the same run storage) goes past it.
+    no_faults(storage, "raise:step=3").fire("step", 3)

@@ -1,0 +1,223 @@
+"""A small deterministic DDP training job for the tests: seeded in-memory data with an exact position.
+
+Lives in its own module so Ray workers import it (conftest puts tests/ on their PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from typing import Any
+
+import numpy as np
+import ray.train
+import torch
+from ray.train.torch import prepare_model
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from ray_resilient import CheckpointManager
+
+FEATURES = 16
+CLASSES = 4
+
+
+class SeededBatches:
+    """Global batches of a seeded in-memory dataset; each rank takes its slice of each batch.
+
+    The order is a pure function of (seed, epoch); the position counts global batches the
+    training loop consumed, so it is the same on every rank and reshards trivially.
+    """
+
+    def __init__(self, samples: int, global_batch: int, seed: int, rank: int, world_size: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(samples, FEATURES, generator=gen)
+        self.y = (self.x[:, :CLASSES].argmax(dim=1) + (self.x[:, -1] > 1).long()) % CLASSES
+        self.global_batch, self.seed = global_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.batches_per_epoch = samples // global_batch
+        self.epoch, self.consumed = 0, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+    def load_resharded_state_dicts(self, states: list[dict[str, int]]) -> None:
+        self.load_state_dict(states[0])
+
+    def __iter__(self):
+        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+        per_rank = self.global_batch // self.world_size
+        while self.consumed < self.batches_per_epoch:
+            batch = order[self.consumed * self.global_batch:(self.consumed + 1) * self.global_batch]
+            ids = batch[self.rank * per_rank:(self.rank + 1) * per_rank]
+            self.consumed += 1
+            yield ids, self.x[ids], self.y[ids]
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+
+def record_attempt(record_dir: str, rank: int, world: int, restored_step: int, registered) -> None:
+    """What this attempt restored, and what Ray had registered when it started."""
+    with open(os.path.join(record_dir, f"attempt-rank{rank}-pid{os.getpid()}.json"), "w") as out:
+        json.dump({"restored_step": restored_step, "world_size": world,
+                   "registered": registered.path if registered else None}, out)
+
+
+def read_attempts(record_dir: str, rank: int = 0) -> list[dict[str, Any]]:
+    """Every attempt's record for ``rank``, in start order."""
+    paths = [os.path.join(record_dir, n) for n in os.listdir(record_dir) if n.startswith(f"attempt-rank{rank}-")]
+    records = []
+    for path in sorted(paths, key=os.path.getmtime):
+        with open(path) as f:
+            records.append(json.load(f))
+    return records
+
+
+def build_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    """Train with SGD+momentum and a step LR schedule; checkpoint every ``interval`` steps.
+
+    Records, per attempt, the sample ids each rank consumed (``record_dir``) and finally the
+    model weights (rank 0), so tests can compare runs bitwise.
+    """
+    torch.use_deterministic_algorithms(True)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    seed = config["seed"]
+    model = prepare_model(build_model(seed))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
+    data = SeededBatches(config["samples"], config["global_batch"], seed, rank, world)
+    loss = torch.zeros(())
+    with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
+                           seed=seed, faults=config.get("faults", "")) as ckpt:
+        registered = ray.train.get_checkpoint()
+        state = ckpt.restore()
+        record_attempt(config["record_dir"], rank, world, state.step, registered)
+        attempt_log = open(os.path.join(config["record_dir"], f"samples-rank{rank}-pid{os.getpid()}.jsonl"), "w")
+        for epoch in range(state.epoch, config["epochs"]):
+            for ids, x, y in data:
+                # Dropout-like randomness from the restored RNG: a resume that lost RNG state diverges.
+                x = x + 0.01 * torch.randn_like(x)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                attempt_log.write(json.dumps({"step": ckpt.train_state.step + 1, "ids": ids.tolist()}) + "\n")
+                attempt_log.flush()
+                ckpt.step_completed(data.epoch, {"loss": loss.item()})
+        ckpt.finish({"loss": loss.item()})
+    if rank == 0:
+        module = model.module if hasattr(model, "module") else model
+        torch.save({k: v.clone() for k, v in module.state_dict().items()},
+                   os.path.join(config["record_dir"], "final_weights.pt"))
+
+
+class Counter:
+    """A user Stateful extra (identical on every rank)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = state["value"]
+
+
+def snapshot(model, optimizer, scheduler, scaler, counter: Counter) -> dict[str, Any]:
+    """Deep copies of everything a checkpoint must carry, comparable across world sizes."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return copy.deepcopy({
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "counter": counter.value,
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+    })
+
+
+def roundtrip_fn(config: dict[str, Any]) -> None:
+    """Phase "save": train a few steps with Adam, a scheduler, a grad scaler, an extra, then the
+    final checkpoint; phase "restore": fresh objects (other init), restore. Both snapshot the state."""
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    saving = config["phase"] == "save"
+    seed = config["seed"] if saving else config["seed"] + 99
+    model = prepare_model(build_model(seed))
+    random.seed(seed + rank)  # per-rank streams, so a restore that mixes ranks up is caught
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    counter = Counter()
+    with CheckpointManager(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
+                           extras={"counter": counter}, interval_steps=3, seed=config["seed"]) as ckpt:
+        if saving:
+            for _ in range(config["steps"]):
+                x, y = torch.randn(8, FEATURES), torch.randint(0, CLASSES, (8,))
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                scheduler.step()
+                counter.value += 1 + counter.value % 3
+                ckpt.step_completed(0)
+            ckpt.finish()
+        else:
+            ckpt.restore()
+        torch.save(snapshot(model, optimizer, scheduler, scaler, counter),
+                   os.path.join(config["record_dir"], f"snapshot-{config['phase']}-rank{rank}.pt"))
+
+
+def run_job(
+    train_fn,
+    config: dict[str, Any],
+    storage_path: str,
+    name: str,
+    workers: int = 2,
+    max_failures: int = 3,
+    num_to_keep: int | None = 2,
+    storage_filesystem=None,
+):
+    """One ``TorchTrainer.fit()`` on the session's local Ray cluster."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=workers),
+        run_config=RunConfig(
+            name=name,
+            storage_path=storage_path,
+            storage_filesystem=storage_filesystem,
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
+        ),
+    )
+    return trainer.fit()
+
+
+def consumed_samples(record_dir: str, rank: int) -> dict[int, list[int]]:
+    """Step -> sample ids this rank trained on, as kept: a recomputed step's last record wins."""
+    paths = [os.path.join(record_dir, n) for n in os.listdir(record_dir) if n.startswith(f"samples-rank{rank}-")]
+    steps: dict[int, list[int]] = {}
+    for path in sorted(paths, key=os.path.getmtime):
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                steps[record["step"]] = record["ids"]
+    return steps
