@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import random
+import time
 from typing import Any
 
 import numpy as np
@@ -221,3 +222,29 @@ def consumed_samples(record_dir: str, rank: int) -> dict[int, list[int]]:
                 record = json.loads(line)
                 steps[record["step"]] = record["ids"]
     return steps
+
+
+def preemption_fn(config: dict[str, Any]) -> None:
+    """Train (with emulated compute time) until a just-in-time checkpoint was taken, then a few
+    more steps. Rank 0 writes its node id and step to ``progress`` so the test can drain the node."""
+    ctx = ray.train.get_context()
+    model = prepare_model(build_model(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with CheckpointManager(model, optimizer, interval_steps=10**6, preemption_check_steps=5) as ckpt:
+        ckpt.restore()
+        steps_after = None
+        for step in range(config["max_steps"]):
+            loss = model(torch.randn(4, FEATURES)).sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            time.sleep(0.02)  # emulated compute, so the loop is still running when the drain lands
+            ckpt.step_completed(0)
+            if ctx.get_world_rank() == 0:
+                with open(config["progress"], "w") as out:
+                    json.dump({"node_id": ray.get_runtime_context().get_node_id(), "step": step}, out)
+            if ckpt.saved_for_preemption:
+                steps_after = 0 if steps_after is None else steps_after + 1
+                if steps_after == 5:
+                    break
+        ckpt.finish()

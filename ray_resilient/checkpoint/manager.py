@@ -111,9 +111,9 @@ class CheckpointManager:
         self._attempt = 0
         self._pending_metrics: dict[str, Any] = {}
         self._last_saved_step: int | None = None
-        self._saved_for_preemption = False
-        self.failed_saves = 0
-        self.last_stall_seconds = 0.0
+        self.saved_for_preemption = False  # a just-in-time checkpoint was taken
+        self.failed_saves = 0  # saves that did not become durable
+        self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -207,13 +207,13 @@ class CheckpointManager:
     # --- internals ---------------------------------------------------------------------------
 
     def _preemption_imminent(self) -> bool:
-        if self._saved_for_preemption:
+        if self.saved_for_preemption:
             return False
         info = ray.train.get_preemption_info()
         if info is None:
             return False
         logger.warning("Preemption of ranks %s imminent: saving a just-in-time checkpoint", info.preempted_ranks)
-        self._saved_for_preemption = True
+        self.saved_for_preemption = True
         return True
 
     def _checkpoint(self, metrics: Mapping[str, Any], wait: bool = False) -> SaveResult | None:
