@@ -73,11 +73,12 @@ import ray.train
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ray.train import Checkpoint, CheckpointUploadMode, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, CheckpointUploadMode, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ray_resilient import CheckpointManager
+from ray_resilient.checkpoint.writer import SaveResult
 
 LAYERS = 8
 BATCH = 8
@@ -86,7 +87,6 @@ FLOOR, TORCH_SYNC, TORCH_ASYNC, DCP_SYNC, RESILIENT = (
 METHODS = (FLOOR, TORCH_SYNC, TORCH_ASYNC, DCP_SYNC, RESILIENT)
 TOTAL = "stall"
 LAST_STALL = "last_stall_seconds"
-DURABLE = "checkpoint_durable_seconds"
 
 
 # --- inside the Ray workers ------------------------------------------------------------------
@@ -145,7 +145,7 @@ class PhaseClock:
 class Job:
     """The model, optimizer and loop of one worker."""
 
-    def __init__(self, state_mb: float, step_seconds: float):
+    def __init__(self, state_mb: float, step_seconds: float, cpu_step_first: bool):
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.experiment_path = context.get_storage().experiment_fs_path
@@ -154,15 +154,19 @@ class Job:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
         self.width = unwrap(self.model)[0].in_features
         self.step_seconds = step_seconds
+        self.cpu_step_first = cpu_step_first
         self.clock = PhaseClock()
 
     def train_step(self) -> None:
-        """One real optimizer step, then the emulated accelerator compute."""
+        """The emulated accelerator compute and one real optimizer step (order: see --cpu-step-first)."""
+        if not self.cpu_step_first:
+            time.sleep(self.step_seconds)
         loss = self.model(torch.randn(BATCH, self.width)).square().mean()
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        time.sleep(self.step_seconds)
+        if self.cpu_step_first:
+            time.sleep(self.step_seconds)
 
     def state_tensors(self) -> list[torch.Tensor]:
         momentum = [state["momentum_buffer"] for state in self.optimizer.state.values()]
@@ -252,10 +256,20 @@ class Resilient(Saver):
         self.ckpt = CheckpointManager(job.model, job.optimizer, interval_steps=steps_between)
         writer = self.ckpt._writer
         job.clock.wrap(writer, "wait", "wait for previous save")
-        job.clock.wrap(self.ckpt, "_register", "report previous (ASYNC)")
+        job.clock.wrap(self.ckpt, "_register", "report previous to Ray")
         job.clock.wrap(self.ckpt.components, "state_to_save", "build state dict")
         job.clock.wrap(writer._stager, "stage", "staging copy")
         self.last_stalls: list[float] = []
+        self.saves: list[SaveResult] = []
+        wait = writer.wait
+
+        def wait_and_keep() -> SaveResult | None:
+            result = wait()
+            if result is not None:
+                self.saves.append(result)
+            return result
+
+        writer.wait = wait_and_keep
 
     def step_completed(self) -> None:
         self.ckpt.step_completed(0)
@@ -274,8 +288,9 @@ SAVERS: dict[str, type[Saver]] = {
 }
 
 
-def measure_method(job: Job, method: str, checkpoints: int, steps_between: int) -> list[dict[str, float]]:
-    """Train, saving every ``steps_between`` steps with ``method``; the stall of each save."""
+def measure_method(job: Job, method: str, checkpoints: int, steps_between: int) -> dict[str, list]:
+    """Train, saving every ``steps_between`` steps with ``method``: the stall of each save
+    (and for ray_resilient each save's time to durable)."""
     saver = SAVERS[method](job, steps_between)
     records = []
     for index in range(checkpoints):
@@ -285,22 +300,27 @@ def measure_method(job: Job, method: str, checkpoints: int, steps_between: int) 
         job.train_step()
         records.append(job.clock.measure(lambda: saver.save(index)))
     saver.close()
+    measured: dict[str, list] = {"stalls": records}
     if isinstance(saver, Resilient):
         for record, last_stall in zip(records, saver.last_stalls):
             record[LAST_STALL] = last_stall
+        if not all(save.ok for save in saver.saves):
+            raise RuntimeError(f"a ray_resilient save failed: {saver.saves}")
+        measured["durable"] = [save.durable_seconds for save in saver.saves]
+        measured["stage"] = [save.stage_seconds for save in saver.saves]
     for _ in range(steps_between):  # let the last asynchronous save finish before the next method
         job.train_step()
     job.settle()
-    return records
+    return measured
 
 
 def train_fn(config: dict[str, Any]) -> None:
     """Measure each method in turn; rank 0 writes the stalls to ``config['results']`` (JSON)."""
-    job = Job(config["state_mb"], config["step_seconds"])
+    job = Job(config["state_mb"], config["step_seconds"], config["cpu_step_first"])
     job.train_step()
-    results: dict[str, Any] = {"state_bytes": job.state_bytes(), "stalls": {}}
+    results: dict[str, Any] = {"state_bytes": job.state_bytes()}
     for method in config["methods"]:
-        results["stalls"][method] = measure_method(job, method, config["checkpoints"], config["steps_between"])
+        results[method] = measure_method(job, method, config["checkpoints"], config["steps_between"])
     if job.rank == 0:
         with open(config["results"], "w") as f:
             json.dump(results, f)
@@ -310,57 +330,60 @@ def train_fn(config: dict[str, Any]) -> None:
 
 
 def run_trainer(workers: int, methods: tuple[str, ...], args: argparse.Namespace, storage: str) -> dict[str, Any]:
-    """One ``TorchTrainer.fit()``: rank 0's stalls plus the durable times Ray recorded."""
+    """One ``TorchTrainer.fit()`` measuring ``methods`` in turn: rank 0's measurements."""
     results = os.path.join(storage, f"results_{workers}w.json")
     config = {"state_mb": args.state_mb, "step_seconds": args.step_seconds, "checkpoints": args.checkpoints,
-              "steps_between": args.steps_between, "methods": list(methods), "results": results}
+              "steps_between": args.steps_between, "cpu_step_first": args.cpu_step_first,
+              "methods": list(methods), "results": results}
     trainer = TorchTrainer(
         train_fn,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers),
-        run_config=RunConfig(storage_path=storage, name=f"checkpoint_stall_{workers}w"),
+        run_config=RunConfig(storage_path=storage, name=f"checkpoint_stall_{workers}w",
+                             checkpoint_config=CheckpointConfig(num_to_keep=args.keep)),
     )
-    result = trainer.fit()
+    trainer.fit()
     with open(results) as f:
-        measured = json.load(f)
-    measured["durable"] = [m[DURABLE] for _, m in result.best_checkpoints or [] if DURABLE in m]
-    return measured
+        return json.load(f)
 
 
 def median(records: list[dict[str, float]], key: str) -> float:
-    return statistics.median(r.get(key, 0.0) for r in records)
+    return statistics.median(r[key] for r in records if key in r)
 
 
 def print_table(two: dict[str, Any], one: dict[str, Any], args: argparse.Namespace) -> None:
-    stalls = two["stalls"]
-    d = median(stalls[RESILIENT], TOTAL)
-    print(f"\nCheckpoint stall of the training loop, rank 0, median of {args.checkpoints} saves "
-          f"({two['state_bytes'] / 2**20:.1f} MiB of state, 2 workers, {args.steps_between} steps "
-          f"of >= {args.step_seconds:.2f}s between saves)")
+    d = median(two[RESILIENT]["stalls"], TOTAL)
+    order = "real CPU step, then sleep" if args.cpu_step_first else "sleep, then real CPU step"
+    print(f"\nTraining-loop stall per checkpoint, rank 0, median of {args.checkpoints} saves: "
+          f"{two['state_bytes'] / 2**20:.1f} MiB of state (params + momentum), 2 workers, "
+          f"{args.steps_between} steps ({order} {args.step_seconds:.2f}s) between saves")
     print(f"{'method':<18} {'stall_s':>8} {'x ray_resilient':>16}   phases (median s)")
     for method in METHODS:
-        records = stalls[method]
+        records = two[method]["stalls"]
         stall = median(records, TOTAL)
-        names = list(dict.fromkeys(k for r in records for k in r if k not in (TOTAL, LAST_STALL)))
+        names = dict.fromkeys(k for r in records for k in r if k not in (TOTAL, LAST_STALL))
         phases = ", ".join(f"{name} {median(records, name):.3f}" for name in names)
         print(f"{method:<18} {stall:8.3f} {stall / d:16.2f}   {phases}")
-    print(f"(ray_resilient's own last_stall_seconds: median {median(stalls[RESILIENT], LAST_STALL):.3f}s; "
-          f"all stalls: {', '.join(f'{r[TOTAL]:.3f}' for r in stalls[RESILIENT])})")
-    print(f"\nTime to durable, ray_resilient ({DURABLE}, median): "
-          f"1 worker {statistics.median(one['durable']):.3f}s "
-          f"(all: {', '.join(f'{t:.2f}' for t in one['durable'])}), "
-          f"2 workers {statistics.median(two['durable']):.3f}s "
-          f"(all: {', '.join(f'{t:.2f}' for t in two['durable'])})")
+    resilient = two[RESILIENT]["stalls"]
+    print(f"ray_resilient: every stall {' '.join(f'{r[TOTAL]:.3f}' for r in resilient)}; "
+          f"its own last_stall_seconds median {median(resilient, LAST_STALL):.3f}")
+    print("\nTime to durable of ray_resilient's saves (SaveResult.durable_seconds, staging included):")
+    for label, run in (("1 worker ", one), ("2 workers", two)):
+        durable = run[RESILIENT]["durable"]
+        print(f"  {label} median {statistics.median(durable):.3f}s (every save: "
+              f"{' '.join(f'{t:.3f}' for t in durable)}; staging median {statistics.median(run[RESILIENT]['stage']):.3f}s)")
 
 
 def summary_line(two: dict[str, Any], one: dict[str, Any]) -> str:
-    stalls = two["stalls"]
-    d = median(stalls[RESILIENT], TOTAL)
+    def stall(method: str) -> float:
+        return median(two[method]["stalls"], TOTAL)
+
+    d = stall(RESILIENT)
     ratios = {
-        "stall_vs_torch_save": median(stalls[TORCH_SYNC], TOTAL) / d,
-        "stall_vs_ray_async": median(stalls[TORCH_ASYNC], TOTAL) / d,
-        "stall_over_copy_floor": d / median(stalls[FLOOR], TOTAL),
-        "durable_2w_over_1w": statistics.median(two["durable"]) / statistics.median(one["durable"]),
+        "stall_vs_torch_save": stall(TORCH_SYNC) / d,
+        "stall_vs_ray_async": stall(TORCH_ASYNC) / d,
+        "stall_over_copy_floor": d / stall(FLOOR),
+        "durable_2w_over_1w": statistics.median(two[RESILIENT]["durable"]) / statistics.median(one[RESILIENT]["durable"]),
     }
     return " ".join(f"{name}={value:.2f}" for name, value in ratios.items())
 
@@ -371,12 +394,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoints", type=int, default=5, help="saves per method (default 5)")
     parser.add_argument("--steps-between", type=int, default=3, help="training steps between saves (default 3)")
     parser.add_argument("--step-seconds", type=float, default=1.0,
-                        help="emulated compute per step, on top of the real step (default 1.0)")
+                        help="emulated accelerator compute per step, besides the real CPU step (default 1.0)")
+    parser.add_argument("--cpu-step-first", action="store_true",
+                        help="run each step's real CPU work before its emulated compute, so that a background "
+                             "write overlaps the CPU DDP step (as in CPU-only training)")
+    parser.add_argument("--keep", type=int, default=2, help="CheckpointConfig(num_to_keep) (default 2)")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    # Without a dashboard this cluster has no state API server, so Ray Train's
+    # PlacementGroupCleaner would ask whichever dashboard listens on 127.0.0.1:8265 (another
+    # local Ray cluster's), not find this run's controller there, and remove the run's
+    # placement group mid-run. A closed port makes it fail to ask, as it does when alone.
+    os.environ.setdefault("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")
     storage = tempfile.mkdtemp(prefix="checkpoint_stall_")
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:

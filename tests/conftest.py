@@ -14,11 +14,15 @@ from pathlib import Path
 import pytest
 
 TESTS_DIR = Path(__file__).parent
-# Ray workers are separate processes: they find tests/trainlib.py through PYTHONPATH.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+JOBS_DIR = TESTS_DIR.parent / "jobs"
+# Ray workers are separate processes: they find tests/trainlib.py (and the jobs it builds on)
+# through PYTHONPATH.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(TESTS_DIR), str(JOBS_DIR), os.environ.get("PYTHONPATH")])
+)
 # The controller polls worker health every 2 s by default; recover faster in tests.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-sys.path.insert(0, str(TESTS_DIR))
+sys.path[:0] = [str(TESTS_DIR), str(JOBS_DIR)]
 
 
 @pytest.fixture(scope="session")

@@ -63,9 +63,10 @@ def test_sigkilled_workers_resume_bitwise_identical(reference, tmp_path):
     attempts = trainlib.read_attempts(str(record))
     # The save of step 10 may still be in flight when rank 1 dies at step 12 (it is async).
     assert [a["restored_step"] for a in attempts] in ([0, 5, 20], [0, 10, 20])
-    # The third attempt resumed from checkpoint 20, which Ray had not registered.
-    registered_step = int(attempts[2]["registered"].rsplit("/", 1)[-1].split("_")[1])
-    assert registered_step < 20
+    # The third attempt resumed from checkpoint 20, which Ray had not registered (Ray may not even
+    # have processed the earlier registrations: its controller drains reports every poll).
+    registered = attempts[2]["registered"]
+    assert registered is None or int(registered.rsplit("/", 1)[-1].split("_")[1]) < 20
     assert_same_weights(final_weights(record), final_weights(reference["record"]))
     for rank in (0, 1):
         assert trainlib.consumed_samples(str(record), rank) == trainlib.consumed_samples(str(reference["record"]), rank)

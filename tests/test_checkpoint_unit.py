@@ -126,3 +126,27 @@ def test_fault_plan_parsing_and_fire_once(storage):
         injector.fire("step", 3)
     # A restarted attempt (a new injector over the same run storage) goes past it.
     no_faults(storage, "raise:step=3").fire("step", 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_state_stages_to_pinned_memory_and_round_trips(storage):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    components = TrainingComponents(model, optimizer)
+    state = components.state_to_save(TrainState(step=1), rank=0)
+    assert "cuda" in state["rank_state"]["rank_0"]["rng"]
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
+    staged = writer._stager.stage(state)
+    assert staged["model"]["weight"].device.type == "cpu" and staged["model"]["weight"].is_pinned()
+    assert save(writer, components, 1).ok
+    writer.close()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    restored = TrainingComponents(torch.nn.Linear(64, 64).cuda(), torch.optim.Adam(model.parameters()))
+    plan = find_complete_checkpoints(storage, None)
+    assert load_newest_loadable(storage, plan.candidates, restored, 0, 1, None) is not None
+    for key, value in expected.items():
+        assert torch.equal(restored.model.state_dict()[key], value)

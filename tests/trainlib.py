@@ -1,6 +1,7 @@
-"""A small deterministic DDP training job for the tests: seeded in-memory data with an exact position.
+"""Train functions for the tests, instrumented to record what each attempt restored and consumed.
 
-Lives in its own module so Ray workers import it (conftest puts tests/ on their PYTHONPATH).
+Lives in its own module so Ray workers import it (conftest puts tests/ and jobs/ on their
+PYTHONPATH); the data is the demo job's resumable in-memory dataset.
 """
 
 from __future__ import annotations
@@ -18,46 +19,9 @@ import torch
 from ray.train.torch import prepare_model
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from train_ddp import CLASSES, FEATURES, SyntheticBatches
+
 from ray_resilient import CheckpointManager
-
-FEATURES = 16
-CLASSES = 4
-
-
-class SeededBatches:
-    """Global batches of a seeded in-memory dataset; each rank takes its slice of each batch.
-
-    The order is a pure function of (seed, epoch); the position counts global batches the
-    training loop consumed, so it is the same on every rank and reshards trivially.
-    """
-
-    def __init__(self, samples: int, global_batch: int, seed: int, rank: int, world_size: int):
-        gen = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(samples, FEATURES, generator=gen)
-        self.y = (self.x[:, :CLASSES].argmax(dim=1) + (self.x[:, -1] > 1).long()) % CLASSES
-        self.global_batch, self.seed = global_batch, seed
-        self.rank, self.world_size = rank, world_size
-        self.batches_per_epoch = samples // global_batch
-        self.epoch, self.consumed = 0, 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.consumed = state["epoch"], state["consumed"]
-
-    def load_resharded_state_dicts(self, states: list[dict[str, int]]) -> None:
-        self.load_state_dict(states[0])
-
-    def __iter__(self):
-        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
-        per_rank = self.global_batch // self.world_size
-        while self.consumed < self.batches_per_epoch:
-            batch = order[self.consumed * self.global_batch:(self.consumed + 1) * self.global_batch]
-            ids = batch[self.rank * per_rank:(self.rank + 1) * per_rank]
-            self.consumed += 1
-            yield ids, self.x[ids], self.y[ids]
-        self.epoch, self.consumed = self.epoch + 1, 0
 
 
 def record_attempt(record_dir: str, rank: int, world: int, restored_step: int, registered) -> None:
@@ -95,7 +59,7 @@ def train_fn(config: dict[str, Any]) -> None:
     model = prepare_model(build_model(seed))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
-    data = SeededBatches(config["samples"], config["global_batch"], seed, rank, world)
+    data = SyntheticBatches(config["samples"], config["global_batch"], seed, rank, world)
     loss = torch.zeros(())
     with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
                            seed=seed, faults=config.get("faults", "")) as ckpt:
