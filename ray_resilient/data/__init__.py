@@ -1,0 +1,22 @@
+"""Stream, cache, shard and prefetch files from a remote volume, with an exact resumable position."""
+
+from ray_resilient.data.cache import CacheStats, FileCache
+from ray_resilient.data.dataset import Batch, CorruptSampleError, VolumeImageDataset, default_transform
+from ray_resilient.data.loader import VolumeDataLoader, default_num_workers
+from ray_resilient.data.plan import SamplePlan
+from ray_resilient.data.volume import Volume, VolumeError, VolumeFile
+
+__all__ = [
+    "Batch",
+    "CacheStats",
+    "CorruptSampleError",
+    "FileCache",
+    "SamplePlan",
+    "Volume",
+    "VolumeDataLoader",
+    "VolumeError",
+    "VolumeFile",
+    "VolumeImageDataset",
+    "default_num_workers",
+    "default_transform",
+]

@@ -1,0 +1,184 @@
+"""A node-local file cache shared by every DataLoader worker and Ray worker on the node.
+
+- A file is downloaded to a temporary name (``<name>.tmp-<pid>-<n>``), its size verified, then
+  atomically renamed: a reader never sees a half-written file, and a process killed
+  mid-download leaves only a temporary file, removed by the next cache opened on the directory.
+- ``limit_bytes`` bounds the cache. Eviction removes least recently used files, never a
+  *pinned* one: a worker holds a shared ``flock`` on a file's lock while the file is in its
+  prefetch window, and the evictor only removes files whose lock it can take exclusively.
+- A job restarted on the same node finds its files still there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ray_resilient.data.volume import VolumeError
+
+logger = logging.getLogger(__name__)
+
+_LOCKS = ".locks"
+_EVICT_LOCK = ".evict.lock"
+_TMP_RE = re.compile(r"\.tmp-(\d+)-\d+$")
+
+
+@dataclass
+class CacheStats:
+    """What this process's cache did: hits, misses, bytes downloaded and time spent downloading."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_downloaded: int = 0
+    download_seconds: float = 0.0
+
+    @property
+    def download_bytes_per_second(self) -> float:
+        return self.bytes_downloaded / self.download_seconds if self.download_seconds else 0.0
+
+
+class FileCache:
+    """Files of a volume on fast local disk, keyed by their path relative to the volume root.
+
+    Args:
+        directory: the cache directory on local disk (created if missing; must be writable).
+        limit_bytes: bound on the cached bytes (None: unbounded). Must exceed the bytes the
+            prefetch windows of the workers on the node pin at once.
+    """
+
+    def __init__(self, directory: str, limit_bytes: int | None = None):
+        self.directory = os.path.abspath(directory)
+        self.limit_bytes = limit_bytes
+        self.stats = CacheStats()
+        self._counter = itertools.count()
+        try:
+            os.makedirs(os.path.join(self.directory, _LOCKS), exist_ok=True)
+            probe = os.path.join(self.directory, f".probe-{os.getpid()}")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as err:
+            raise VolumeError(f"cache directory {self.directory} is not writable ({err}): pass a writable cache_dir") from err
+        self._remove_stale_temporaries()
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, key)
+
+    def _lock_path(self, key: str) -> str:
+        return os.path.join(self.directory, _LOCKS, key.replace("/", "%2F") + ".lock")
+
+    def pin(self, key: str) -> int:
+        """Protect ``key`` from eviction until :meth:`unpin`; returns the handle to pass there."""
+        fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+
+    @staticmethod
+    def unpin(handle: int) -> None:
+        os.close(handle)  # closing releases the flock
+
+    def fetch(self, key: str, size: int, download: Callable[[str], int]) -> str:
+        """The local path of ``key``, downloading it with ``download(temporary_path)`` on a miss."""
+        final = self.path(key)
+        try:
+            if os.path.getsize(final) == size:
+                os.utime(final)  # recency for LRU eviction
+                self.stats.hits += 1
+                return final
+        except FileNotFoundError:
+            pass
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        temporary = f"{final}.tmp-{os.getpid()}-{next(self._counter)}"
+        started = time.monotonic()
+        try:
+            written = download(temporary)
+            if written != size:
+                raise VolumeError(f"{key}: downloaded {written} bytes, the volume listed {size}; was it modified?")
+            self._insert(temporary, final, size)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+        self.stats.misses += 1
+        self.stats.bytes_downloaded += size
+        self.stats.download_seconds += time.monotonic() - started
+        return final
+
+    def _insert(self, temporary: str, final: str, size: int) -> None:
+        """Rename the verified download into place, first evicting enough to stay within the limit."""
+        if self.limit_bytes is None:
+            os.replace(temporary, final)
+            return
+        with open(os.path.join(self.directory, _EVICT_LOCK), "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # one inserter/evictor at a time on the node
+            self._evict_to(self.limit_bytes - size)
+            os.replace(temporary, final)
+
+    def _evict_to(self, target: int) -> None:
+        """Remove least recently used, unpinned files until at most ``target`` bytes remain."""
+        files = self._cached_files()
+        total = sum(size for _, size, _ in files)
+        for key, size, _ in sorted(files, key=lambda f: f[2]):
+            if total <= target:
+                return
+            if self._remove_unless_pinned(key):
+                total -= size
+        if total > target:
+            logger.warning("cache %s cannot stay within %d bytes: %d bytes are pinned by prefetch windows",
+                           self.directory, self.limit_bytes, total)
+
+    def _remove_unless_pinned(self, key: str) -> bool:
+        fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        try:
+            os.remove(self.path(key))
+            return True
+        except FileNotFoundError:
+            return False
+        finally:
+            os.close(fd)
+
+    def _cached_files(self) -> list[tuple[str, int, float]]:
+        """(key, size, last use) of every complete cached file."""
+        found = []
+        for dirpath, dirnames, filenames in os.walk(self.directory):
+            if dirpath == self.directory:
+                dirnames[:] = [d for d in dirnames if d != _LOCKS]
+            for name in filenames:
+                if name.startswith(".") or _TMP_RE.search(name):
+                    continue
+                full = os.path.join(dirpath, name)
+                try:
+                    stat = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                found.append((os.path.relpath(full, self.directory), stat.st_size, stat.st_mtime))
+        return found
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete temporary files of downloads whose process is gone (killed mid-download)."""
+        for dirpath, _dirnames, filenames in os.walk(self.directory):
+            for name in filenames:
+                match = _TMP_RE.search(name)
+                if match and not _process_alive(int(match.group(1))):
+                    os.remove(os.path.join(dirpath, name))
+                    logger.info("removed %s, left by a download that never finished", name)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

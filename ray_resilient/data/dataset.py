@@ -1,0 +1,179 @@
+"""The volume image dataset: each DataLoader worker serves its share of the plan, prefetched and cached.
+
+A batch goes volume -> cache -> plan -> dataset worker -> loader -> train step. Decoding
+(``torchvision.io.decode_image``) and augmentation (``torchvision.transforms.v2``) run in the
+workers. The randomness of a sample's augmentation is seeded from (seed, epoch, sample index),
+so it does not depend on which rank or worker processed it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms import v2
+
+from ray_resilient.data.cache import CacheStats, FileCache
+from ray_resilient.data.plan import SamplePlan, derive_seed, fingerprint
+from ray_resilient.data.prefetch import Prefetcher
+from ray_resilient.data.volume import Volume, VolumeError
+
+logger = logging.getLogger(__name__)
+
+
+class CorruptSampleError(VolumeError):
+    """A file of the volume could not be decoded."""
+
+
+class Batch(NamedTuple):
+    """One rank's share of a global batch."""
+
+    images: torch.Tensor  # [N, C, H, W], as the transform leaves them
+    labels: torch.Tensor  # [N] class indices (ImageFolder), -1 without labels
+    sample_ids: torch.Tensor  # [N] indices into the volume's file list
+    global_batch: int  # the global batch number within its epoch
+
+
+class WorkerBatch(NamedTuple):
+    """What a worker hands the loader: the batch plus the worker's cache activity since the last one."""
+
+    batch: Batch
+    cache: CacheStats
+    skipped: int
+
+
+def default_transform(image_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Random resized crop and flip at ``image_size``, as float in [0, 1]."""
+    return v2.Compose([
+        v2.RandomResizedCrop(image_size, scale=(0.6, 1.0), antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.ToDtype(torch.float32, scale=True),
+    ])
+
+
+class VolumeImageDataset(IterableDataset):
+    """Images of a :class:`Volume` in the deterministic global order of a :class:`SamplePlan`.
+
+    Args:
+        volume: the files and their labels.
+        cache_dir: local cache directory (shared by every process on the node).
+        global_batch: samples per global batch (all ranks together).
+        rank, world_size: this rank and the number of ranks (Ray Train's world rank/size).
+        seed: seeds the order of every epoch and every sample's augmentation.
+        transform: applied to each decoded ``uint8`` CHW image; must give equal shapes.
+        drop_last: drop the epoch's tail that does not fill a global batch (True), or pad the
+            last batch by repeating samples from the epoch's start (False).
+        cache_limit: bound on the cache's bytes (None: unbounded); must exceed the window.
+        prefetch_files, prefetch_bytes: each worker's prefetch window.
+        prefetch_threads: concurrent downloads per worker (latency hiding for remote volumes).
+        skip_corrupt: skip (and count) files that fail to decode instead of raising.
+    """
+
+    def __init__(
+        self,
+        volume: Volume,
+        cache_dir: str,
+        *,
+        global_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        drop_last: bool = True,
+        cache_limit: int | None = None,
+        prefetch_files: int = 64,
+        prefetch_bytes: int = 256 << 20,
+        prefetch_threads: int = 8,
+        skip_corrupt: bool = False,
+    ):
+        self.volume = volume
+        self.plan = SamplePlan(len(volume.files), global_batch, world_size, seed, drop_last)
+        self.fingerprint = fingerprint(volume.listing())
+        self.rank = rank
+        self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
+        if cache_limit is not None and cache_limit < prefetch_bytes:
+            raise ValueError(
+                f"cache_limit ({cache_limit} bytes) is smaller than the prefetch window ({prefetch_bytes} bytes): "
+                "raise cache_limit or lower prefetch_bytes"
+            )
+        self.cache_dir, self.cache_limit = cache_dir, cache_limit
+        FileCache(cache_dir, cache_limit)  # fail now on an unwritable directory, and clean up a crash
+        self.prefetch_files, self.prefetch_bytes, self.prefetch_threads = prefetch_files, prefetch_bytes, prefetch_threads
+        self.skip_corrupt = skip_corrupt
+        # (epoch, first global batch) of the next iteration, set by the loader in the main process
+        # and read by the workers, which (persistent or not) start from it.
+        self._start = multiprocessing.get_context().RawArray("q", 2)
+        self._prefetcher: Prefetcher | None = None
+        self._reported = CacheStats()
+
+    def set_start(self, epoch: int, batch: int) -> None:
+        """Where the next iteration starts: global batch ``batch`` of ``epoch``."""
+        self._start[0], self._start[1] = epoch, batch
+
+    def __iter__(self) -> Iterator[WorkerBatch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, start = int(self._start[0]), int(self._start[1])
+        batches = self.plan.worker_batches(epoch, self.rank, worker, workers, start)
+        prefetcher = self._get_prefetcher()
+        prefetcher.restart(self._sample_stream(epoch, worker, workers, start))
+        for number, indices in batches:
+            images, labels, kept, skipped = [], [], [], 0
+            for sample in indices.tolist():
+                path, pin = prefetcher.next_path(sample)
+                try:
+                    image = self._decode(path, sample)
+                except CorruptSampleError:
+                    if not self.skip_corrupt:
+                        raise
+                    skipped += 1
+                    logger.warning("skipping corrupt sample %s", self.volume.files[sample].path)
+                    continue
+                finally:
+                    prefetcher.release(pin)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(derive_seed(self.plan.seed, epoch, sample))
+                    images.append(self.transform(image))
+                labels.append(self.volume.files[sample].label)
+                kept.append(sample)
+            batch = Batch(torch.stack(images) if images else torch.empty(0), torch.tensor(labels, dtype=torch.long),
+                          torch.tensor(kept, dtype=torch.long), number)
+            yield WorkerBatch(batch, self._cache_delta(), skipped)
+
+    def _sample_stream(self, epoch: int, worker: int, workers: int, start: int) -> Iterator[int]:
+        """This worker's samples in plan order, from (epoch, start) on into the following epochs."""
+        for e in itertools.count(epoch):
+            for _number, indices in self.plan.worker_batches(e, self.rank, worker, workers, start if e == epoch else 0):
+                yield from indices.tolist()
+
+    def _get_prefetcher(self) -> Prefetcher:
+        if self._prefetcher is None:  # one per process, kept across epochs (persistent workers)
+            cache = FileCache(self.cache_dir, self.cache_limit)
+            self._prefetcher = Prefetcher(self.volume, cache, self.prefetch_threads, self.prefetch_files,
+                                          self.prefetch_bytes)
+        return self._prefetcher
+
+    def _decode(self, path: str, sample: int) -> torch.Tensor:
+        try:
+            return decode_image(read_file(path), mode=ImageReadMode.RGB)
+        except RuntimeError as err:
+            raise CorruptSampleError(f"cannot decode {self.volume.uri}/{self.volume.files[sample].path}: {err}") from err
+
+    def _cache_delta(self) -> CacheStats:
+        stats = self._get_prefetcher().cache.stats
+        delta = CacheStats(stats.hits - self._reported.hits, stats.misses - self._reported.misses,
+                           stats.bytes_downloaded - self._reported.bytes_downloaded,
+                           stats.download_seconds - self._reported.download_seconds)
+        self._reported = CacheStats(stats.hits, stats.misses, stats.bytes_downloaded, stats.download_seconds)
+        return delta
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_prefetcher"] = None  # threads do not cross processes; each worker makes its own
+        return state

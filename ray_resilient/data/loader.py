@@ -1,0 +1,175 @@
+"""The DataLoader for volume datasets: tuned defaults, an exact resumable position, fetch_seconds.
+
+The position counts global batches *the training loop received*, not batches the workers
+prefetched: a batch counts once ``next()`` returned it. At an epoch's end the position is
+(next epoch, 0). Because the plan's sequence of global batches does not depend on the number of
+ranks or workers, a position loads on a different world size (same global batch size) or a
+different ``num_workers`` and continues the same global sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ray_resilient.data.cache import CacheStats
+from ray_resilient.data.dataset import Batch, VolumeImageDataset
+
+logger = logging.getLogger(__name__)
+
+
+def default_num_workers(local_world_size: int = 1) -> int:
+    """DataLoader workers per rank: the node's CPUs shared by its ranks, one left for the loop."""
+    return max(1, min(8, (os.cpu_count() or 2) // max(local_world_size, 1) - 1))
+
+
+@dataclass
+class LoaderMetrics:
+    """What the loader measured since it was created."""
+
+    batches: int = 0
+    fetch_seconds: float = 0.0  # total time the training loop blocked in next()
+    last_fetch_seconds: float = 0.0
+    skipped_samples: int = 0
+    cache: CacheStats = field(default_factory=CacheStats)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "fetch_seconds": self.last_fetch_seconds,
+            "fetch_seconds_total": self.fetch_seconds,
+            "cache_hits": self.cache.hits,
+            "cache_misses": self.cache.misses,
+            "bytes_downloaded": self.cache.bytes_downloaded,
+            "download_mb_per_s": self.cache.download_bytes_per_second / 1e6,
+            "skipped_samples": self.skipped_samples,
+        }
+
+
+class VolumeDataLoader(DataLoader):
+    """A ``torch.utils.data.DataLoader`` over a :class:`VolumeImageDataset`, with an exact position.
+
+    Args:
+        dataset: the volume dataset (it already knows the rank, world size and batch size).
+        num_workers: worker processes (default: :func:`default_num_workers`).
+        pin_memory: pin batches for fast host-to-GPU copies (default: when CUDA is available).
+        persistent_workers: keep workers (and their prefetch windows and threads) across epochs.
+        prefetch_factor: batches each worker prepares ahead.
+        metrics_logger: called with (metrics, batches) every ``log_every`` batches, e.g.
+            :class:`ray_resilient.tracking.MlflowMetrics`; None logs nothing.
+        log_every: batches between two metrics_logger calls.
+    """
+
+    def __init__(
+        self,
+        dataset: VolumeImageDataset,
+        *,
+        num_workers: int | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = True,
+        prefetch_factor: int = 4,
+        metrics_logger: Any | None = None,
+        log_every: int = 50,
+        **kwargs: Any,
+    ):
+        num_workers = default_num_workers() if num_workers is None else num_workers
+        dataset.plan.check_workers(max(num_workers, 1))
+        if num_workers > 0 and dataset.volume.is_remote:
+            # The AWS SDK (pyarrow's S3) is not fork-safe: a forked worker reusing the parent's
+            # client can read another request's bytes. Spawned workers make their own.
+            kwargs.setdefault("multiprocessing_context", "spawn")
+        super().__init__(
+            dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            **kwargs,
+        )
+        self.epoch = 0
+        self.batch = 0  # global batches of this epoch the training loop received
+        self.metrics = LoaderMetrics()
+        self.metrics_logger = metrics_logger
+        self.log_every = log_every
+
+    @property
+    def volume_dataset(self) -> VolumeImageDataset:
+        return self.dataset  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return self.volume_dataset.plan.batches_per_epoch - self.batch
+
+    def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
+        """The rest of the current epoch; after its last batch the position is (next epoch, 0)."""
+        dataset = self.volume_dataset
+        dataset.set_start(self.epoch, self.batch)
+        batches = super().__iter__()
+        while True:
+            started = time.monotonic()
+            try:
+                item = next(batches)
+            except StopIteration:
+                break
+            waited = time.monotonic() - started
+            self._record(waited, item.cache, item.skipped)
+            if item.batch.global_batch != self.batch:
+                raise RuntimeError(f"batch {item.batch.global_batch} arrived where {self.batch} was due")
+            self.batch += 1
+            if self.batch == dataset.plan.batches_per_epoch:
+                self.epoch, self.batch = self.epoch + 1, 0
+            yield item.batch
+
+    def _record(self, waited: float, cache: CacheStats, skipped: int) -> None:
+        m = self.metrics
+        m.batches += 1
+        m.fetch_seconds += waited
+        m.last_fetch_seconds = waited
+        m.skipped_samples += skipped
+        m.cache.hits += cache.hits
+        m.cache.misses += cache.misses
+        m.cache.bytes_downloaded += cache.bytes_downloaded
+        m.cache.download_seconds += cache.download_seconds
+        if self.metrics_logger is not None and m.batches % self.log_every == 0:
+            self.metrics_logger(m.as_dict(), m.batches)
+
+    # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        plan = self.volume_dataset.plan
+        return {
+            "seed": plan.seed,
+            "epoch": self.epoch,
+            "samples": self.batch * plan.global_batch,
+            "global_batch": plan.global_batch,
+            "fingerprint": self.volume_dataset.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        dataset = self.volume_dataset
+        plan = dataset.plan
+        if state["fingerprint"] != dataset.fingerprint:
+            raise ValueError(
+                f"the data position was saved for another volume listing (plan fingerprint {state['fingerprint']}, "
+                f"this volume {dataset.fingerprint}): files were added, removed or changed since; "
+                "resume on the same volume or start a new run"
+            )
+        if state["global_batch"] != plan.global_batch or state["seed"] != plan.seed:
+            raise ValueError(
+                f"the data position was saved with global batch {state['global_batch']} and seed {state['seed']}, "
+                f"this loader has {plan.global_batch} and {plan.seed}: the global sample sequence would differ"
+            )
+        self.epoch = state["epoch"]
+        self.batch = state["samples"] // plan.global_batch
+
+    def load_resharded_state_dicts(self, states: list[dict[str, Any]]) -> None:
+        """After a change of world size: the position is global, identical on every old rank."""
+        if any(s != states[0] for s in states):
+            raise ValueError(f"the ranks saved different data positions: {states}")
+        self.load_state_dict(states[0])

@@ -1,0 +1,163 @@
+"""A dataset root on any pyarrow filesystem: a local path or mount, s3://, gs://, or an fsspec URL."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+_CHUNK = 1 << 20
+
+
+class VolumeError(RuntimeError):
+    """The volume is missing, empty, or a file on it cannot be read."""
+
+
+@dataclass(frozen=True)
+class VolumeFile:
+    """One file of the volume: its path relative to the root, size and (ImageFolder) label."""
+
+    path: str
+    size: int
+    label: int = -1
+
+
+def open_filesystem(
+    uri: str,
+    *,
+    endpoint: str | None = None,
+    region: str | None = None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, root path on it) for ``uri``.
+
+    For ``s3://`` the endpoint, region and credentials come from the arguments, else from
+    ``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` and
+    ``AWS_SECRET_ACCESS_KEY``. Schemes pyarrow does not know go through fsspec.
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
+        options: dict = {
+            "region": region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            "access_key": access_key or os.environ.get("AWS_ACCESS_KEY_ID"),
+            "secret_key": secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        }
+        if endpoint:
+            endpoint_url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+            options.update(endpoint_override=endpoint_url.netloc, scheme=endpoint_url.scheme)
+        return pafs.S3FileSystem(**options), f"{parsed.netloc}{parsed.path}".rstrip("/")
+    if parsed.scheme in ("", "file"):
+        return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pafs.ArrowInvalid, ValueError):
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(uri)
+        return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+class Volume:
+    """The files under a root, listed deterministically, read with retries.
+
+    Args:
+        uri: the dataset root (a path, ``s3://bucket/prefix``, ``gs://...``, an fsspec URL).
+        extensions: keep files ending with one of these (case-insensitive); None keeps all.
+        pattern: an optional glob the relative path must match (e.g. ``"train/*/*.jpg"``).
+        image_folder: labels from the first directory under the root (``root/<class>/<file>``).
+        retries: attempts per read on a transient storage error, with exponential backoff.
+        filesystem: use this filesystem with ``uri`` as the path on it (e.g. a configured
+            ``S3FileSystem``); else it is derived from ``uri`` (see :func:`open_filesystem`).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        extensions: tuple[str, ...] | None = IMAGE_EXTENSIONS,
+        pattern: str | None = None,
+        image_folder: bool = True,
+        retries: int = 4,
+        filesystem: pafs.FileSystem | None = None,
+        **filesystem_options: str,
+    ):
+        self.uri = uri
+        if filesystem is None:
+            self.filesystem, self.root = open_filesystem(uri, **filesystem_options)
+        else:
+            self.filesystem, self.root = filesystem, uri.rstrip("/")
+        self.retries = retries
+        self.files, self.classes = self._list(extensions, pattern, image_folder)
+
+    def _list(
+        self, extensions: tuple[str, ...] | None, pattern: str | None, image_folder: bool
+    ) -> tuple[list[VolumeFile], list[str]]:
+        info = self.filesystem.get_file_info(self.root)
+        if info.type != pafs.FileType.Directory:
+            raise VolumeError(f"volume {self.uri} does not exist or is not a directory")
+        selector = pafs.FileSelector(self.root, recursive=True)
+        entries = []
+        for item in self.filesystem.get_file_info(selector):
+            if item.type != pafs.FileType.File:
+                continue
+            rel = item.path[len(self.root):].lstrip("/")
+            if extensions is not None and not rel.lower().endswith(tuple(e.lower() for e in extensions)):
+                continue
+            if pattern is not None and not fnmatch.fnmatch(rel, pattern):
+                continue
+            entries.append((rel, item.size))
+        entries.sort()
+        if not entries:
+            wanted = f" matching {extensions or ''} {pattern or ''}".rstrip()
+            raise VolumeError(f"volume {self.uri} has no files{wanted}")
+        if not image_folder:
+            return [VolumeFile(p, s) for p, s in entries], []
+        if any("/" not in p for p, _ in entries):
+            loose = next(p for p, _ in entries if "/" not in p)
+            raise VolumeError(
+                f"volume {self.uri} is not an ImageFolder layout (root/<class>/<file>): {loose} is not in a "
+                "class directory; pass image_folder=False for unlabeled files"
+            )
+        classes = sorted({p.split("/", 1)[0] for p, _ in entries})
+        index = {name: i for i, name in enumerate(classes)}
+        return [VolumeFile(p, s, index[p.split("/", 1)[0]]) for p, s in entries], classes
+
+    @property
+    def is_remote(self) -> bool:
+        return not isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    def listing(self) -> list[tuple[str, int]]:
+        """(relative path, size) of every file, in order: what the plan fingerprint covers."""
+        return [(f.path, f.size) for f in self.files]
+
+    def download(self, path: str, dest: str) -> int:
+        """Stream the file at ``path`` (relative) into the local file ``dest``; returns its size.
+
+        Transient storage errors are retried with exponential backoff, then raise VolumeError
+        naming the file.
+        """
+        full = f"{self.root}/{path}"
+        attempt = 1
+        while True:
+            try:
+                with self.filesystem.open_input_stream(full) as src, open(dest, "wb") as dst:
+                    shutil.copyfileobj(src, dst, _CHUNK)
+                    return dst.tell()
+            except OSError as err:
+                if attempt >= self.retries:
+                    raise VolumeError(f"reading {full} failed after {self.retries} attempts: {err}") from err
+                delay = 0.1 * 2 ** (attempt - 1)
+                logger.warning("reading %s failed (%s); retrying in %.1fs", full, err, delay)
+                time.sleep(delay)
+                attempt += 1

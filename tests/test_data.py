@@ -1,0 +1,295 @@
+"""The volume dataset on real JPEGs, local and on a real S3 server: plan, position, cache, bad input."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from make_image_volume import make_image_volume
+from ray_resilient.data import (
+    CorruptSampleError,
+    FileCache,
+    SamplePlan,
+    Volume,
+    VolumeDataLoader,
+    VolumeError,
+    VolumeImageDataset,
+    default_transform,
+)
+
+CLASSES, PER_CLASS = 3, 23  # 69 images: an uneven count
+GLOBAL_BATCH = 6
+
+
+@pytest.fixture(scope="session")
+def image_dir(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("volume") / "shapes"
+    make_image_volume(pafs.LocalFileSystem(), str(root), classes=CLASSES, per_class=PER_CLASS, size=20, seed=5)
+    return str(root)
+
+
+def make_loader(volume: Volume, cache_dir, rank=0, world=1, workers=2, **options) -> VolumeDataLoader:
+    dataset = VolumeImageDataset(volume, str(cache_dir), global_batch=GLOBAL_BATCH, rank=rank, world_size=world,
+                                 seed=11, transform=default_transform(16), **options)
+    return VolumeDataLoader(dataset, num_workers=workers)
+
+
+def global_batches(loaders: list[VolumeDataLoader], epochs: int = 1) -> list[tuple[list[int], torch.Tensor]]:
+    """The global sequence the ranks' loaders produce: per global batch, sample ids and images."""
+    out = []
+    for _ in range(epochs):
+        for per_rank in zip(*loaders, strict=True):
+            out.append((sum((b.sample_ids.tolist() for b in per_rank), []), torch.cat([b.images for b in per_rank])))
+    return out
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_plan_covers_each_epoch_exactly_and_evenly(world, workers, drop_last):
+    plan = SamplePlan(69, GLOBAL_BATCH, world, seed=3, drop_last=drop_last)
+    for epoch in (0, 1):
+        served = {r: [] for r in range(world)}
+        for rank in range(world):
+            for worker in range(workers):
+                for _number, idx in plan.worker_batches(epoch, rank, worker, workers):
+                    served[rank].append(idx.tolist())
+        assert len({len(batches) for batches in served.values()}) == 1  # equal batch counts per rank
+        everything = sorted(i for batches in served.values() for b in batches for i in b)
+        if drop_last:
+            assert len(everything) == 66 and len(set(everything)) == 66  # no duplicates; the 3-sample tail dropped
+        else:
+            assert set(everything) == set(range(69)) and len(everything) == 72  # padded with 3 repeats
+    assert not np.array_equal(plan.permutation(0), plan.permutation(1))
+
+
+def test_plan_rejects_layouts_that_leave_someone_without_data():
+    with pytest.raises(ValueError, match="not divisible by the world size 4"):
+        SamplePlan(69, 6, 4)
+    with pytest.raises(ValueError, match="5 samples cannot fill one global batch of 6"):
+        SamplePlan(5, 6, 2)
+    with pytest.raises(ValueError, match="12 DataLoader workers per rank but only 11 batches"):
+        SamplePlan(69, 6, 2).check_workers(12)
+
+
+# --- volumes -------------------------------------------------------------------------------------
+
+
+def test_image_folder_listing_is_sorted_and_labelled(image_dir):
+    volume = Volume(image_dir)
+    assert volume.classes == ["class_0_disc", "class_1_square", "class_2_triangle"]
+    assert [f.path for f in volume.files] == sorted(f.path for f in volume.files)
+    assert {f.label for f in volume.files if f.path.startswith("class_1")} == {1}
+    assert len(Volume(image_dir, pattern="class_2*/0000*.jpg").files) == 10
+
+
+def test_local_and_s3_volumes_give_identical_samples(image_dir, s3_server, tmp_path):
+    fs = s3_server.filesystem()
+    prefix = f"{s3_server.bucket}/volumes/shapes"
+    pafs.copy_files(image_dir, prefix, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    os.environ.update(AWS_ACCESS_KEY_ID=s3_server.access_key, AWS_SECRET_ACCESS_KEY=s3_server.secret_key)
+    remote = Volume(f"s3://{prefix}", endpoint=f"http://{s3_server.endpoint}")
+    local = Volume(image_dir)
+    assert remote.listing() == local.listing()
+    from_s3 = global_batches([make_loader(remote, tmp_path / "cache-s3")])
+    from_disk = global_batches([make_loader(local, tmp_path / "cache-local")])
+    assert [ids for ids, _ in from_s3] == [ids for ids, _ in from_disk]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(from_s3, from_disk))
+
+
+# --- the exact position --------------------------------------------------------------------------
+
+
+def resume_sequence(volume, tmp_path, before: int, world_before=2, workers_before=2, world_after=2,
+                    workers_after=2, epochs=2):
+    """Consume ``before`` global batches, checkpoint the position, resume on a new layout, finish."""
+    first = [make_loader(volume, tmp_path / "cache", r, world_before, workers_before) for r in range(world_before)]
+    seen = []
+    iterators = [iter(loader) for loader in first]
+    for _ in range(before):
+        per_rank = [next(it) for it in iterators]
+        seen.append((sum((b.sample_ids.tolist() for b in per_rank), []), torch.cat([b.images for b in per_rank])))
+    states = [loader.state_dict() for loader in first]
+    second = [make_loader(volume, tmp_path / "cache", r, world_after, workers_after) for r in range(world_after)]
+    for loader in second:
+        if world_after == world_before:
+            loader.load_state_dict(states[loader.volume_dataset.rank])
+        else:
+            loader.load_resharded_state_dicts(states)
+    remaining_epochs = epochs - second[0].epoch
+    return seen + global_batches(second, remaining_epochs), states[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(image_dir, tmp_path_factory):
+    volume = Volume(image_dir)
+    cache = tmp_path_factory.mktemp("cache")
+    return global_batches([make_loader(volume, cache, r, 2, 2) for r in range(2)], epochs=2)
+
+
+@pytest.mark.parametrize(
+    ("before", "layout"),
+    [
+        (0, {}),
+        (4, {}),  # mid-epoch
+        (11, {}),  # exactly at the end of epoch 0 (11 global batches of 6 in 69 samples)
+        (4, {"world_after": 1}),
+        (4, {"workers_after": 0}),
+        (7, {"world_before": 1, "workers_before": 0, "world_after": 2, "workers_after": 3}),
+    ],
+)
+def test_resume_continues_the_same_global_sequence(image_dir, tmp_path, uninterrupted, before, layout):
+    sequence, state = resume_sequence(Volume(image_dir), tmp_path, before, **layout)
+    assert [ids for ids, _ in sequence] == [ids for ids, _ in uninterrupted]
+    # Augmentation is seeded per (seed, epoch, sample): the same pixels on any layout.
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sequence, uninterrupted))
+    if before == 11:
+        assert (state["epoch"], state["samples"]) == (1, 0)
+
+
+def test_resume_twice_in_a_row(image_dir, tmp_path, uninterrupted):
+    volume = Volume(image_dir)
+    loader = make_loader(volume, tmp_path / "cache")
+    position = loader.state_dict()
+    ids = []
+    for stop in (3, 8, 15):  # resume, take a few batches, checkpoint, resume again ...
+        loader = make_loader(volume, tmp_path / "cache")
+        loader.load_state_dict(position)
+        while len(ids) < stop:
+            if loader.epoch == 2:
+                break
+            for batch in loader:
+                ids.append(batch.sample_ids.tolist())
+                if len(ids) == stop:
+                    break
+        position = loader.state_dict()
+    reference = [i for i, _ in global_batches([make_loader(volume, tmp_path / "cache2", 0, 1, 2)], epochs=2)]
+    assert ids == reference[:15]
+
+
+def test_position_of_another_volume_is_refused(image_dir, tmp_path):
+    loader = make_loader(Volume(image_dir), tmp_path / "cache")
+    state = loader.state_dict()
+    smaller = make_loader(Volume(image_dir, pattern="class_[01]*"), tmp_path / "cache")
+    with pytest.raises(ValueError, match="another volume listing"):
+        smaller.load_state_dict(state)
+
+
+# --- the cache -----------------------------------------------------------------------------------
+
+
+def cached_bytes(cache_dir) -> int:
+    """Bytes of complete cached files, read under the cache's insert lock for a consistent view."""
+    with open(cache_dir / ".evict.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        return sum(f.stat().st_size for f in cache_dir.rglob("*.jpg") if f.is_file())
+
+
+def test_cache_never_exceeds_its_limit(image_dir, tmp_path):
+    volume = Volume(image_dir)
+    limit = sum(f.size for f in volume.files) // 3
+    cache_dir = tmp_path / "cache"
+    loader = make_loader(volume, cache_dir, workers=2, cache_limit=limit, prefetch_files=4, prefetch_bytes=limit // 3)
+    peak = 0
+    for _ in range(2):
+        for _batch in loader:
+            peak = max(peak, cached_bytes(cache_dir))
+    assert 0 < peak <= limit
+    assert loader.metrics.cache.misses > len(volume.files)  # evicted files were downloaded again
+
+
+def test_restarted_job_reuses_the_cache(image_dir, tmp_path):
+    volume = Volume(image_dir)
+    first = make_loader(volume, tmp_path / "cache")
+    list(first)
+    again = make_loader(volume, tmp_path / "cache")
+    list(again)
+    assert again.metrics.cache.misses == 0 and again.metrics.cache.hits > 0
+
+
+def test_a_download_killed_midway_leaves_no_corrupt_cached_file(tmp_path):
+    """SIGKILL a process while it streams a file into the cache (from a FIFO it blocks on)."""
+    source = tmp_path / "volume"
+    source.mkdir()
+    fifo = source / "big.bin"
+    os.mkfifo(fifo)
+    cache_dir = tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import shutil
+        from ray_resilient.data import FileCache
+        def download(dest):
+            with open({str(fifo)!r}, "rb") as src, open(dest, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1024)
+                return dst.tell()
+        FileCache({str(cache_dir)!r}).fetch("big.bin", 1 << 20, download)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    with open(fifo, "wb") as writer:
+        writer.write(b"x" * 300_000)
+        writer.flush()
+        while not any(p.stat().st_size >= 200_000 for p in cache_dir.glob("big.bin.tmp-*")):
+            assert proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (cache_dir / "big.bin").exists()
+    assert list(cache_dir.glob("big.bin.tmp-*"))  # the leftover, until the next cache opens
+    cache = FileCache(str(cache_dir))
+    assert not list(cache_dir.glob("big.bin.tmp-*"))
+
+    def download(dest: str) -> int:
+        with open(dest, "wb") as out:
+            return out.write(b"y" * 1000)
+
+    assert open(cache.fetch("big.bin", 1000, download), "rb").read() == b"y" * 1000
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_missing_and_empty_volumes_are_named(tmp_path):
+    with pytest.raises(VolumeError, match=f"volume {tmp_path / 'nope'} does not exist"):
+        Volume(str(tmp_path / "nope"))
+    (tmp_path / "empty" / "class_a").mkdir(parents=True)
+    (tmp_path / "empty" / "class_a" / "notes.txt").write_text("not an image")
+    with pytest.raises(VolumeError, match="has no files matching"):
+        Volume(str(tmp_path / "empty"))
+
+
+def test_corrupt_image_raises_naming_the_file_or_is_skipped_and_counted(image_dir, tmp_path):
+    broken = tmp_path / "broken"
+    pafs.copy_files(image_dir, str(broken))
+    victim = sorted((broken / "class_1_square").iterdir())[4]
+    victim.write_bytes(b"\xff\xd8 this is not a jpeg")
+    with pytest.raises(CorruptSampleError, match=f"cannot decode .*{victim.name}"):
+        list(make_loader(Volume(str(broken)), tmp_path / "cache", workers=0))
+    loader = make_loader(Volume(str(broken)), tmp_path / "cache2", workers=2, skip_corrupt=True)
+    served = [i for batch in loader for i in batch.sample_ids.tolist()]
+    victim_index = next(i for i, f in enumerate(loader.volume_dataset.volume.files) if f.path.endswith(
+        f"class_1_square/{victim.name}"))
+    in_epoch = victim_index in loader.volume_dataset.plan.permutation(0)  # not in the dropped tail
+    assert loader.metrics.skipped_samples == int(in_epoch)
+    assert len(served) == 66 - int(in_epoch) and victim_index not in served
+
+
+def test_unusable_cache_settings_are_refused(image_dir, tmp_path):
+    volume = Volume(image_dir)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(VolumeError, match="is not writable"):
+        make_loader(volume, blocker / "cache")
+    with pytest.raises(ValueError, match="smaller than the prefetch window"):
+        make_loader(volume, tmp_path / "cache", cache_limit=1000, prefetch_bytes=5000)
+    with pytest.raises(ValueError, match="only 11 batches per epoch"):
+        make_loader(volume, tmp_path / "cache", workers=12)
