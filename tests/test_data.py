@@ -293,3 +293,20 @@ def test_unusable_cache_settings_are_refused(image_dir, tmp_path):
         make_loader(volume, tmp_path / "cache", cache_limit=1000, prefetch_bytes=5000)
     with pytest.raises(ValueError, match="only 11 batches per epoch"):
         make_loader(volume, tmp_path / "cache", workers=12)
+
+
+def test_loader_logs_fetch_seconds_and_cache_metrics_to_mlflow(image_dir, tmp_path):
+    from ray_resilient.tracking import MlflowMetrics
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    volume = Volume(image_dir)
+    dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=GLOBAL_BATCH, seed=1)
+    loader = VolumeDataLoader(dataset, num_workers=2, log_every=2,
+                              metrics_logger=MlflowMetrics("data-run", tracking_uri=uri, prefix="data/"))
+    list(loader)
+    again = MlflowMetrics("data-run", tracking_uri=uri)  # a restarted attempt finds the same run
+    history = again.client.get_metric_history(again.run_id, "data/fetch_seconds")
+    assert [m.step for m in history] == [2, 4, 6, 8, 10]
+    assert all(m.value >= 0 for m in history)
+    misses = again.client.get_metric_history(again.run_id, "data/cache_misses")
+    assert misses[-1].value == loader.metrics.cache.misses > 0

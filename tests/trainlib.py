@@ -212,3 +212,38 @@ def preemption_fn(config: dict[str, Any]) -> None:
                 if steps_after == 5:
                     break
         ckpt.finish()
+
+
+def image_train_fn(config: dict[str, Any]) -> None:
+    """Train a linear classifier on the volume's JPEGs through VolumeDataLoader; the loader's
+    position is the checkpoint's data slot. Records consumed sample ids like ``train_fn``."""
+    from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform
+
+    torch.use_deterministic_algorithms(True)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    dataset = VolumeImageDataset(Volume(config["volume"]), config["cache_dir"], global_batch=config["global_batch"],
+                                 rank=rank, world_size=world, seed=config["seed"], transform=default_transform(12))
+    loader = VolumeDataLoader(dataset, num_workers=config["workers"])
+    torch.manual_seed(config["seed"])
+    model = prepare_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 12 * 12, 3)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with CheckpointManager(model, optimizer, data=loader, interval_steps=config["interval"], seed=config["seed"],
+                           faults=config["faults"]) as ckpt:
+        state = ckpt.restore()
+        record_attempt(config["record_dir"], rank, world, state.step, None)
+        log = open(os.path.join(config["record_dir"], f"samples-rank{rank}-pid{os.getpid()}.jsonl"), "w")
+        while loader.epoch < config["epochs"]:
+            for batch in loader:
+                loss = torch.nn.functional.cross_entropy(model(batch.images), batch.labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                log.write(json.dumps({"step": ckpt.train_state.step + 1, "ids": batch.sample_ids.tolist()}) + "\n")
+                log.flush()
+                ckpt.step_completed(loader.epoch, {"loss": loss.item()})
+        ckpt.finish()
+    if rank == 0:
+        module = model.module if hasattr(model, "module") else model
+        torch.save({k: v.clone() for k, v in module.state_dict().items()},
+                   os.path.join(config["record_dir"], "final_weights.pt"))

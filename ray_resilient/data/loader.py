@@ -61,8 +61,9 @@ class VolumeDataLoader(DataLoader):
         pin_memory: pin batches for fast host-to-GPU copies (default: when CUDA is available).
         persistent_workers: keep workers (and their prefetch windows and threads) across epochs.
         prefetch_factor: batches each worker prepares ahead.
-        metrics_logger: called with (metrics, batches) every ``log_every`` batches, e.g.
-            :class:`ray_resilient.tracking.MlflowMetrics`; None logs nothing.
+        metrics_logger: called with (metrics, global batch position) every ``log_every``
+            batches, e.g. :class:`ray_resilient.tracking.MlflowMetrics` on rank 0; None logs
+            nothing.
         log_every: batches between two metrics_logger calls.
     """
 
@@ -118,12 +119,12 @@ class VolumeDataLoader(DataLoader):
             except StopIteration:
                 break
             waited = time.monotonic() - started
-            self._record(waited, item.cache, item.skipped)
             if item.batch.global_batch != self.batch:
                 raise RuntimeError(f"batch {item.batch.global_batch} arrived where {self.batch} was due")
             self.batch += 1
             if self.batch == dataset.plan.batches_per_epoch:
                 self.epoch, self.batch = self.epoch + 1, 0
+            self._record(waited, item.cache, item.skipped)
             yield item.batch
 
     def _record(self, waited: float, cache: CacheStats, skipped: int) -> None:
@@ -137,7 +138,8 @@ class VolumeDataLoader(DataLoader):
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
         if self.metrics_logger is not None and m.batches % self.log_every == 0:
-            self.metrics_logger(m.as_dict(), m.batches)
+            plan = self.volume_dataset.plan
+            self.metrics_logger(m.as_dict(), self.epoch * plan.batches_per_epoch + self.batch)
 
     # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------
 
