@@ -1,8 +1,15 @@
 """Stream, cache, shard and prefetch files from a remote volume, with an exact resumable position."""
 
 from ray_resilient.data.cache import CacheStats, FileCache
-from ray_resilient.data.dataset import Batch, CorruptSampleError, VolumeImageDataset, default_transform
+from ray_resilient.data.dataset import (
+    Batch,
+    CorruptSampleError,
+    StreamingVolumeDataset,
+    VolumeImageDataset,
+    default_transform,
+)
 from ray_resilient.data.loader import VolumeDataLoader, default_num_workers
+from ray_resilient.data.parquet import ParquetVolumeDataset
 from ray_resilient.data.plan import SamplePlan
 from ray_resilient.data.volume import Volume, VolumeError, VolumeFile
 
@@ -11,7 +18,9 @@ __all__ = [
     "CacheStats",
     "CorruptSampleError",
     "FileCache",
+    "ParquetVolumeDataset",
     "SamplePlan",
+    "StreamingVolumeDataset",
     "Volume",
     "VolumeDataLoader",
     "VolumeError",

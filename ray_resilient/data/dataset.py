@@ -57,22 +57,113 @@ def default_transform(image_size: int) -> Callable[[torch.Tensor], torch.Tensor]
     ])
 
 
-class VolumeImageDataset(IterableDataset):
-    """Images of a :class:`Volume` in the deterministic global order of a :class:`SamplePlan`.
+class StreamingVolumeDataset(IterableDataset):
+    """What every volume dataset shares: the cache, the prefetcher, and the start position.
+
+    Subclasses define the plan (``batches_per_epoch``, ``check_workers``, ``layout``) and
+    ``__iter__``; the loader drives them through these methods.
 
     Args:
-        volume: the files and their labels.
+        volume: the files (and labels).
         cache_dir: local cache directory (shared by every process on the node).
         global_batch: samples per global batch (all ranks together).
-        rank, world_size: this rank and the number of ranks (Ray Train's world rank/size).
+        rank: this rank (Ray Train's world rank).
         seed: seeds the order of every epoch and every sample's augmentation.
-        transform: applied to each decoded ``uint8`` CHW image; must give equal shapes.
-        drop_last: drop the epoch's tail that does not fill a global batch (True), or pad the
-            last batch by repeating samples from the epoch's start (False).
         cache_limit: bound on the cache's bytes (None: unbounded); must exceed the window.
         prefetch_files, prefetch_bytes: each worker's prefetch window.
         prefetch_threads: concurrent downloads per worker (latency hiding for remote volumes).
-        skip_corrupt: skip (and count) files that fail to decode instead of raising.
+        skip_corrupt: skip (and count) samples that fail to decode instead of raising.
+    """
+
+    def __init__(
+        self,
+        volume: Volume,
+        cache_dir: str,
+        *,
+        global_batch: int,
+        rank: int,
+        seed: int,
+        cache_limit: int | None,
+        prefetch_files: int,
+        prefetch_bytes: int,
+        prefetch_threads: int,
+        skip_corrupt: bool,
+    ):
+        self.volume = volume
+        self.global_batch, self.rank, self.seed = global_batch, rank, seed
+        self.fingerprint = fingerprint(volume.listing())
+        if cache_limit is not None and cache_limit < prefetch_bytes:
+            raise ValueError(
+                f"cache_limit ({cache_limit} bytes) is smaller than the prefetch window ({prefetch_bytes} bytes): "
+                "raise cache_limit or lower prefetch_bytes"
+            )
+        self.cache_dir, self.cache_limit = cache_dir, cache_limit
+        FileCache(cache_dir, cache_limit)  # fail now on an unwritable directory, and clean up a crash
+        self.prefetch_files, self.prefetch_bytes, self.prefetch_threads = prefetch_files, prefetch_bytes, prefetch_threads
+        self.skip_corrupt = skip_corrupt
+        # (epoch, first batch) of the next iteration, set by the loader in the main process and
+        # read by the workers, which (persistent or not) start from it.
+        self._start = multiprocessing.get_context().RawArray("q", 2)
+        self._prefetcher: Prefetcher | None = None
+        self._reported = CacheStats()
+
+    def batches_per_epoch(self, epoch: int) -> int:
+        """Batches each rank gets in ``epoch`` (equal on every rank)."""
+        raise NotImplementedError
+
+    def check_workers(self, num_workers: int) -> None:
+        """Fail clearly when a DataLoader worker would get nothing."""
+        raise NotImplementedError
+
+    def layout(self) -> str | None:
+        """The topology a position depends on (None: it continues on any world size and workers)."""
+        return None
+
+    def set_start(self, epoch: int, batch: int) -> None:
+        """Where the next iteration starts: the rank's batch ``batch`` of ``epoch``."""
+        self._start[0], self._start[1] = epoch, batch
+
+    def _worker(self) -> tuple[int, int, int, int]:
+        """(worker id, workers, start epoch, start batch) in the current process."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return worker, workers, int(self._start[0]), int(self._start[1])
+
+    def _get_prefetcher(self) -> Prefetcher:
+        if self._prefetcher is None:  # one per process, kept across epochs (persistent workers)
+            cache = FileCache(self.cache_dir, self.cache_limit)
+            self._prefetcher = Prefetcher(self.volume, cache, self.prefetch_threads, self.prefetch_files,
+                                          self.prefetch_bytes)
+        return self._prefetcher
+
+    def _decode(self, data: torch.Tensor, name: str) -> torch.Tensor:
+        try:
+            return decode_image(data, mode=ImageReadMode.RGB)
+        except RuntimeError as err:
+            raise CorruptSampleError(f"cannot decode {self.volume.uri}/{name}: {err}") from err
+
+    def _cache_delta(self) -> CacheStats:
+        stats = self._get_prefetcher().cache.stats
+        delta = CacheStats(stats.hits - self._reported.hits, stats.misses - self._reported.misses,
+                           stats.bytes_downloaded - self._reported.bytes_downloaded,
+                           stats.download_seconds - self._reported.download_seconds)
+        self._reported = CacheStats(stats.hits, stats.misses, stats.bytes_downloaded, stats.download_seconds)
+        return delta
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_prefetcher"] = None  # threads do not cross processes; each worker makes its own
+        return state
+
+
+class VolumeImageDataset(StreamingVolumeDataset):
+    """Image files of a :class:`Volume` in the deterministic global order of a :class:`SamplePlan`.
+
+    Args (besides :class:`StreamingVolumeDataset`'s):
+        world_size: the number of ranks (Ray Train's world size).
+        transform: applied to each decoded ``uint8`` CHW image; must give equal shapes.
+        drop_last: drop the epoch's tail that does not fill a global batch (True), or pad the
+            last batch by repeating samples from the epoch's start (False).
     """
 
     def __init__(
@@ -92,34 +183,20 @@ class VolumeImageDataset(IterableDataset):
         prefetch_threads: int = 8,
         skip_corrupt: bool = False,
     ):
-        self.volume = volume
+        super().__init__(volume, cache_dir, global_batch=global_batch, rank=rank, seed=seed, cache_limit=cache_limit,
+                         prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes,
+                         prefetch_threads=prefetch_threads, skip_corrupt=skip_corrupt)
         self.plan = SamplePlan(len(volume.files), global_batch, world_size, seed, drop_last)
-        self.fingerprint = fingerprint(volume.listing())
-        self.rank = rank
         self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
-        if cache_limit is not None and cache_limit < prefetch_bytes:
-            raise ValueError(
-                f"cache_limit ({cache_limit} bytes) is smaller than the prefetch window ({prefetch_bytes} bytes): "
-                "raise cache_limit or lower prefetch_bytes"
-            )
-        self.cache_dir, self.cache_limit = cache_dir, cache_limit
-        FileCache(cache_dir, cache_limit)  # fail now on an unwritable directory, and clean up a crash
-        self.prefetch_files, self.prefetch_bytes, self.prefetch_threads = prefetch_files, prefetch_bytes, prefetch_threads
-        self.skip_corrupt = skip_corrupt
-        # (epoch, first global batch) of the next iteration, set by the loader in the main process
-        # and read by the workers, which (persistent or not) start from it.
-        self._start = multiprocessing.get_context().RawArray("q", 2)
-        self._prefetcher: Prefetcher | None = None
-        self._reported = CacheStats()
 
-    def set_start(self, epoch: int, batch: int) -> None:
-        """Where the next iteration starts: global batch ``batch`` of ``epoch``."""
-        self._start[0], self._start[1] = epoch, batch
+    def batches_per_epoch(self, epoch: int) -> int:
+        return self.plan.batches_per_epoch
+
+    def check_workers(self, num_workers: int) -> None:
+        self.plan.check_workers(num_workers)
 
     def __iter__(self) -> Iterator[WorkerBatch]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        epoch, start = int(self._start[0]), int(self._start[1])
+        worker, workers, epoch, start = self._worker()
         batches = self.plan.worker_batches(epoch, self.rank, worker, workers, start)
         prefetcher = self._get_prefetcher()
         prefetcher.restart(self._sample_stream(epoch, worker, workers, start))
@@ -128,7 +205,7 @@ class VolumeImageDataset(IterableDataset):
             for sample in indices.tolist():
                 path, pin = prefetcher.next_path(sample)
                 try:
-                    image = self._decode(path, sample)
+                    image = self._decode(read_file(path), self.volume.files[sample].path)
                 except CorruptSampleError:
                     if not self.skip_corrupt:
                         raise
@@ -151,29 +228,3 @@ class VolumeImageDataset(IterableDataset):
         for e in itertools.count(epoch):
             for _number, indices in self.plan.worker_batches(e, self.rank, worker, workers, start if e == epoch else 0):
                 yield from indices.tolist()
-
-    def _get_prefetcher(self) -> Prefetcher:
-        if self._prefetcher is None:  # one per process, kept across epochs (persistent workers)
-            cache = FileCache(self.cache_dir, self.cache_limit)
-            self._prefetcher = Prefetcher(self.volume, cache, self.prefetch_threads, self.prefetch_files,
-                                          self.prefetch_bytes)
-        return self._prefetcher
-
-    def _decode(self, path: str, sample: int) -> torch.Tensor:
-        try:
-            return decode_image(read_file(path), mode=ImageReadMode.RGB)
-        except RuntimeError as err:
-            raise CorruptSampleError(f"cannot decode {self.volume.uri}/{self.volume.files[sample].path}: {err}") from err
-
-    def _cache_delta(self) -> CacheStats:
-        stats = self._get_prefetcher().cache.stats
-        delta = CacheStats(stats.hits - self._reported.hits, stats.misses - self._reported.misses,
-                           stats.bytes_downloaded - self._reported.bytes_downloaded,
-                           stats.download_seconds - self._reported.download_seconds)
-        self._reported = CacheStats(stats.hits, stats.misses, stats.bytes_downloaded, stats.download_seconds)
-        return delta
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_prefetcher"] = None  # threads do not cross processes; each worker makes its own
-        return state

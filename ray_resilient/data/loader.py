@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ray_resilient.data.cache import CacheStats
-from ray_resilient.data.dataset import Batch, VolumeImageDataset
+from ray_resilient.data.dataset import Batch, StreamingVolumeDataset
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,11 @@ class LoaderMetrics:
 
 
 class VolumeDataLoader(DataLoader):
-    """A ``torch.utils.data.DataLoader`` over a :class:`VolumeImageDataset`, with an exact position.
+    """A ``torch.utils.data.DataLoader`` over a volume dataset, with an exact position.
 
     Args:
-        dataset: the volume dataset (it already knows the rank, world size and batch size).
+        dataset: a :class:`VolumeImageDataset` or :class:`ParquetVolumeDataset` (it already
+            knows the rank, world size and batch size).
         num_workers: worker processes (default: :func:`default_num_workers`).
         pin_memory: pin batches for fast host-to-GPU copies (default: when CUDA is available).
         persistent_workers: keep workers (and their prefetch windows and threads) across epochs.
@@ -69,7 +70,7 @@ class VolumeDataLoader(DataLoader):
 
     def __init__(
         self,
-        dataset: VolumeImageDataset,
+        dataset: StreamingVolumeDataset,
         *,
         num_workers: int | None = None,
         pin_memory: bool | None = None,
@@ -80,7 +81,7 @@ class VolumeDataLoader(DataLoader):
         **kwargs: Any,
     ):
         num_workers = default_num_workers() if num_workers is None else num_workers
-        dataset.plan.check_workers(max(num_workers, 1))
+        dataset.check_workers(max(num_workers, 1))
         if num_workers > 0 and dataset.volume.is_remote:
             # The AWS SDK (pyarrow's S3) is not fork-safe: a forked worker reusing the parent's
             # client can read another request's bytes. Spawned workers make their own.
@@ -101,11 +102,11 @@ class VolumeDataLoader(DataLoader):
         self.log_every = log_every
 
     @property
-    def volume_dataset(self) -> VolumeImageDataset:
+    def volume_dataset(self) -> StreamingVolumeDataset:
         return self.dataset  # type: ignore[return-value]
 
     def __len__(self) -> int:
-        return self.volume_dataset.plan.batches_per_epoch - self.batch
+        return self.volume_dataset.batches_per_epoch(self.epoch) - self.batch
 
     def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
         """The rest of the current epoch; after its last batch the position is (next epoch, 0)."""
@@ -122,7 +123,7 @@ class VolumeDataLoader(DataLoader):
             if item.batch.global_batch != self.batch:
                 raise RuntimeError(f"batch {item.batch.global_batch} arrived where {self.batch} was due")
             self.batch += 1
-            if self.batch == dataset.plan.batches_per_epoch:
+            if self.batch == dataset.batches_per_epoch(self.epoch):
                 self.epoch, self.batch = self.epoch + 1, 0
             self._record(waited, item.cache, item.skipped)
             yield item.batch
@@ -138,37 +139,42 @@ class VolumeDataLoader(DataLoader):
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
         if self.metrics_logger is not None and m.batches % self.log_every == 0:
-            plan = self.volume_dataset.plan
-            self.metrics_logger(m.as_dict(), self.epoch * plan.batches_per_epoch + self.batch)
+            self.metrics_logger(m.as_dict(), m.batches)
 
     # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        plan = self.volume_dataset.plan
+        dataset = self.volume_dataset
         return {
-            "seed": plan.seed,
+            "seed": dataset.seed,
             "epoch": self.epoch,
-            "samples": self.batch * plan.global_batch,
-            "global_batch": plan.global_batch,
-            "fingerprint": self.volume_dataset.fingerprint,
+            "samples": self.batch * dataset.global_batch,
+            "global_batch": dataset.global_batch,
+            "fingerprint": dataset.fingerprint,
+            "layout": dataset.layout(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         dataset = self.volume_dataset
-        plan = dataset.plan
         if state["fingerprint"] != dataset.fingerprint:
             raise ValueError(
                 f"the data position was saved for another volume listing (plan fingerprint {state['fingerprint']}, "
                 f"this volume {dataset.fingerprint}): files were added, removed or changed since; "
                 "resume on the same volume or start a new run"
             )
-        if state["global_batch"] != plan.global_batch or state["seed"] != plan.seed:
+        if state["global_batch"] != dataset.global_batch or state["seed"] != dataset.seed:
             raise ValueError(
                 f"the data position was saved with global batch {state['global_batch']} and seed {state['seed']}, "
-                f"this loader has {plan.global_batch} and {plan.seed}: the global sample sequence would differ"
+                f"this loader has {dataset.global_batch} and {dataset.seed}: the global sample sequence would differ"
             )
         self.epoch = state["epoch"]
-        self.batch = state["samples"] // plan.global_batch
+        self.batch = state["samples"] // dataset.global_batch
+        if state["layout"] != dataset.layout():
+            logger.warning(
+                "data position saved for layout %s, resuming on %s: this dataset's order depends on the layout, "
+                "so epoch %d restarts from its beginning (its samples seen so far are seen again)",
+                state["layout"], dataset.layout(), self.epoch)
+            self.batch = 0
 
     def load_resharded_state_dicts(self, states: list[dict[str, Any]]) -> None:
         """After a change of world size: the position is global, identical on every old rank."""
