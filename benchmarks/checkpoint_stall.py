@@ -1,20 +1,26 @@
 """Training-loop stall per checkpoint: ray_resilient's async sharded save vs. the usual alternatives.
 
 Setup
-    One local Ray cluster, two ``TorchTrainer.fit()`` runs on CPU (gloo):
+    One local Ray cluster, two ``TorchTrainer.fit()`` runs on CPU (gloo), one after the other:
 
-    1. 2 workers measure every method below in sequence, in one run, on the same model;
-    2. 1 worker measures ray_resilient again, for time-to-durable with 1 vs 2 workers.
+    1. 2 workers measure every method below, in sequence, in one run, on the same model;
+    2. 1 worker measures ray_resilient alone, for time-to-durable with 1 vs 2 workers.
 
-    The training state is an MLP of ``LAYERS`` square ``Linear`` layers, sized so that its fp32
+    The training state is an MLP of ``LAYERS`` square ``Linear`` layers sized so that its fp32
     parameters plus SGD momentum take ``--state-mb`` MiB (default 256: 33.6M parameters), wrapped
-    in DDP by ``ray.train.torch.prepare_model`` (not wrapped with 1 worker). A training step is
-    one real forward/backward/``optimizer.step()`` on a small random batch (with 2 workers DDP
-    all-reduces the 128 MiB of gradients) followed by ``--step-seconds`` of ``time.sleep``
-    emulating accelerator compute. One step before any measurement creates the momentum buffers.
+    in DDP by ``ray.train.torch.prepare_model`` (left unwrapped with 1 worker). A training step is
+    ``--step-seconds`` of ``time.sleep`` emulating accelerator compute, then one real
+    forward/backward/``optimizer.step()`` on a small random batch (with 2 workers, DDP all-reduces
+    128 MiB of gradients over gloo, keeping both cores busy for 0.1-0.4 s). A save follows the
+    real step, so a background write overlaps emulated compute, as it would overlap GPU compute;
+    ``--cpu-step-first`` swaps the order to show what the CPU all-reduce does to it. One step
+    before any measurement creates the momentum buffers. Runs keep ``--keep`` checkpoints (Ray's
+    ``CheckpointConfig(num_to_keep)``), as real runs do.
 
-Methods (each saves ``--checkpoints`` times, ``--steps-between`` training steps apart, so that
-an asynchronous save has finished before the next one starts: steady state)
+Methods (each saves ``--checkpoints`` times, ``--steps-between`` steps apart: long enough for an
+asynchronous save to finish before the next one starts, i.e. steady state, and for Ray's
+controller, which polls every 2 s, to take the previous report off a worker's size-1 result queue;
+closer saves make SYNC and NO_UPLOAD reports wait for it)
     copy_floor         every state tensor (parameters + momentum) copied into preallocated
                        buffers: the least any consistent snapshot of the state can stall.
     torch_save+SYNC    rank 0 ``torch.save`` of model+optimizer ``state_dict()`` into a temp dir,
@@ -32,25 +38,32 @@ an asynchronous save has finished before the next one starts: steady state)
 
 Timing
     A stall is ``time.monotonic()`` around exactly the call the training loop blocks on, on rank 0;
-    for ray_resilient that is ``step_completed()`` (it matches the manager's own
-    ``last_stall_seconds``, printed alongside). Phases inside a stall are timed the same way (for
-    ray_resilient by wrapping the manager's internal calls on its instances). The table shows the
-    median over the checkpoints of each method. Between methods every rank stops, rank 0 runs
-    ``os.sync()``, so one method's dirty page cache is not flushed during the next one.
-    Time-to-durable is ``checkpoint_durable_seconds`` (``SaveResult.durable_seconds``: from the
-    start of the save, staging included, until every rank's files and ``.metadata`` are fsynced)
-    as reported to Ray, median over the checkpoints, with 1 and with 2 workers.
+    for ray_resilient that is ``step_completed()`` (the manager's own ``last_stall_seconds``, over
+    the same calls, is printed alongside). Phases inside a stall are timed the same way (for
+    ray_resilient by wrapping the manager's internal calls on its instances). The table shows
+    medians over the saves of each method; the first save of a method includes one-time costs
+    (allocating staging buffers). Between methods every rank stops and rank 0 runs ``os.sync()``,
+    so one method's dirty page cache is not written back during the next one.
+    Time-to-durable is ``SaveResult.durable_seconds`` (also reported to Ray as
+    ``checkpoint_durable_seconds``): from the start of a save, staging included, until every rank's
+    files and ``.metadata`` are fsynced; median over the saves, with 1 and with 2 workers.
 
 Machine
-    Written for and measured on a 2-core AMD EPYC VM with 24 GiB RAM and a virtio disk (about
-    2 GB/s with fsync), torch CPU, Ray 2.60. The two workers, their background writers and Ray's
-    own processes share the 2 cores.
+    Measured on a 2-core AMD EPYC Firecracker VM, 24 GiB RAM, torch CPU, Ray 2.60; the workers,
+    their background writers and Ray's processes share the 2 cores, and other users' jobs ran at
+    the same time (medians moved by up to 2x between runs). The virtio disk takes fsynced writes
+    at ~1.7 GB/s, but writing into guest memory not touched recently (a growing page cache, fresh
+    buffers) runs at only ~0.4 GB/s: the host backs guest RAM lazily and DAMON pages cold memory
+    out. That, not serialization (``torch.save`` of 256 MiB to /dev/null takes 0.06 s) nor fsync,
+    sets the cost of every file write here, so it varies with the state of the page cache;
+    keeping only ``--keep`` checkpoints lets writes reuse the page cache of deleted ones.
 
 The last line printed is the summary the issue asks for::
 
     stall_vs_torch_save=<a/d> stall_vs_ray_async=<b/d> stall_over_copy_floor=<d/floor> durable_2w_over_1w=<t2/t1>
 
-Run: ``python benchmarks/checkpoint_stall.py`` (``--state-mb 16 --checkpoints 3`` for a quick try).
+Run: ``python benchmarks/checkpoint_stall.py`` (about 4 minutes; ``--state-mb 16 --checkpoints 3``
+for a quick try).
 """
 
 from __future__ import annotations
@@ -145,7 +158,7 @@ class PhaseClock:
 class Job:
     """The model, optimizer and loop of one worker."""
 
-    def __init__(self, state_mb: float, step_seconds: float, cpu_step_first: bool):
+    def __init__(self, state_mb: float, steps_between: int, step_seconds: float, cpu_step_first: bool):
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.experiment_path = context.get_storage().experiment_fs_path
@@ -153,6 +166,7 @@ class Job:
         self.model = prepare_model(build_model(state_mb))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
         self.width = unwrap(self.model)[0].in_features
+        self.steps_between = steps_between
         self.step_seconds = step_seconds
         self.cpu_step_first = cpu_step_first
         self.clock = PhaseClock()
@@ -182,7 +196,7 @@ class Job:
         return Checkpoint.from_directory(directory)
 
     def settle(self) -> None:
-        """All ranks stop; rank 0 flushes the page cache so the next method starts clean."""
+        """All ranks stop; rank 0 writes back dirty pages so the next method starts clean."""
         dist.barrier()
         if self.rank == 0:
             os.sync()
@@ -192,7 +206,7 @@ class Job:
 class Saver:
     """One checkpointing method. ``save`` is exactly what the training loop blocks on."""
 
-    def __init__(self, job: Job, steps_between: int):
+    def __init__(self, job: Job):
         self.job = job
 
     def step_completed(self) -> None:
@@ -206,8 +220,8 @@ class Saver:
 
 
 class CopyFloor(Saver):
-    def __init__(self, job: Job, steps_between: int):
-        super().__init__(job, steps_between)
+    def __init__(self, job: Job):
+        super().__init__(job)
         self.sources = job.state_tensors()
         self.buffers = [torch.empty_like(t) for t in self.sources]
 
@@ -251,9 +265,9 @@ class DcpSync(Saver):
 
 
 class Resilient(Saver):
-    def __init__(self, job: Job, steps_between: int):
-        super().__init__(job, steps_between)
-        self.ckpt = CheckpointManager(job.model, job.optimizer, interval_steps=steps_between)
+    def __init__(self, job: Job):
+        super().__init__(job)
+        self.ckpt = CheckpointManager(job.model, job.optimizer, interval_steps=job.steps_between)
         writer = self.ckpt._writer
         job.clock.wrap(writer, "wait", "wait for previous save")
         job.clock.wrap(self.ckpt, "_register", "report previous to Ray")
@@ -288,13 +302,13 @@ SAVERS: dict[str, type[Saver]] = {
 }
 
 
-def measure_method(job: Job, method: str, checkpoints: int, steps_between: int) -> dict[str, list]:
-    """Train, saving every ``steps_between`` steps with ``method``: the stall of each save
+def measure_method(job: Job, method: str, checkpoints: int) -> dict[str, list]:
+    """Train, saving every ``job.steps_between`` steps with ``method``: the stall of each save
     (and for ray_resilient each save's time to durable)."""
-    saver = SAVERS[method](job, steps_between)
+    saver = SAVERS[method](job)
     records = []
     for index in range(checkpoints):
-        for _ in range(steps_between - 1):
+        for _ in range(job.steps_between - 1):
             job.train_step()
             saver.step_completed()
         job.train_step()
@@ -308,7 +322,7 @@ def measure_method(job: Job, method: str, checkpoints: int, steps_between: int) 
             raise RuntimeError(f"a ray_resilient save failed: {saver.saves}")
         measured["durable"] = [save.durable_seconds for save in saver.saves]
         measured["stage"] = [save.stage_seconds for save in saver.saves]
-    for _ in range(steps_between):  # let the last asynchronous save finish before the next method
+    for _ in range(job.steps_between):  # let the last asynchronous save finish before the next method
         job.train_step()
     job.settle()
     return measured
@@ -316,11 +330,11 @@ def measure_method(job: Job, method: str, checkpoints: int, steps_between: int) 
 
 def train_fn(config: dict[str, Any]) -> None:
     """Measure each method in turn; rank 0 writes the stalls to ``config['results']`` (JSON)."""
-    job = Job(config["state_mb"], config["step_seconds"], config["cpu_step_first"])
+    job = Job(config["state_mb"], config["steps_between"], config["step_seconds"], config["cpu_step_first"])
     job.train_step()
     results: dict[str, Any] = {"state_bytes": job.state_bytes()}
     for method in config["methods"]:
-        results[method] = measure_method(job, method, config["checkpoints"], config["steps_between"])
+        results[method] = measure_method(job, method, config["checkpoints"])
     if job.rank == 0:
         with open(config["results"], "w") as f:
             json.dump(results, f)
@@ -364,9 +378,10 @@ def print_table(two: dict[str, Any], one: dict[str, Any], args: argparse.Namespa
         names = dict.fromkeys(k for r in records for k in r if k not in (TOTAL, LAST_STALL))
         phases = ", ".join(f"{name} {median(records, name):.3f}" for name in names)
         print(f"{method:<18} {stall:8.3f} {stall / d:16.2f}   {phases}")
-    resilient = two[RESILIENT]["stalls"]
-    print(f"ray_resilient: every stall {' '.join(f'{r[TOTAL]:.3f}' for r in resilient)}; "
-          f"its own last_stall_seconds median {median(resilient, LAST_STALL):.3f}")
+    print(f"ray_resilient's own last_stall_seconds: median {median(two[RESILIENT]['stalls'], LAST_STALL):.3f}")
+    print("every stall, in order (s):")
+    for method in METHODS:
+        print(f"  {method:<18} {' '.join(f'{r[TOTAL]:.3f}' for r in two[method]['stalls'])}")
     print("\nTime to durable of ray_resilient's saves (SaveResult.durable_seconds, staging included):")
     for label, run in (("1 worker ", one), ("2 workers", two)):
         durable = run[RESILIENT]["durable"]
@@ -391,7 +406,7 @@ def summary_line(two: dict[str, Any], one: dict[str, Any]) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--state-mb", type=float, default=256, help="params + momentum, MiB (default 256)")
-    parser.add_argument("--checkpoints", type=int, default=5, help="saves per method (default 5)")
+    parser.add_argument("--checkpoints", type=int, default=7, help="saves per method (default 7)")
     parser.add_argument("--steps-between", type=int, default=3, help="training steps between saves (default 3)")
     parser.add_argument("--step-seconds", type=float, default=1.0,
                         help="emulated accelerator compute per step, besides the real CPU step (default 1.0)")

@@ -22,6 +22,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 # The controller polls worker health every 2 s by default; recover faster in tests.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# A cluster without a dashboard has no state API server, so Ray Train's PlacementGroupCleaner
+# would ask whatever dashboard listens on 127.0.0.1:8265 (another local cluster's), not find this
+# run's controller there, and remove the run's placement group. Point it nowhere instead.
+os.environ.setdefault("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")
 sys.path[:0] = [str(TESTS_DIR), str(JOBS_DIR)]
 
 
