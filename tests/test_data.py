@@ -310,3 +310,17 @@ def test_loader_logs_fetch_seconds_and_cache_metrics_to_mlflow(image_dir, tmp_pa
     assert all(m.value >= 0 for m in history)
     misses = again.client.get_metric_history(again.run_id, "data/cache_misses")
     assert misses[-1].value == loader.metrics.cache.misses > 0
+
+
+def test_fsspec_url_volume(image_dir, tmp_path):
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    for file in Volume(image_dir).files[:12]:
+        memory.pipe(f"/shapes-mem/{file.path}", open(os.path.join(image_dir, file.path), "rb").read())
+    volume = Volume("memory://shapes-mem")
+    assert [f.path for f in volume.files] == [f.path for f in Volume(image_dir).files[:12]]
+    # One download thread: fsspec's memory filesystem hands every reader the same file object.
+    dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=4, seed=1, prefetch_threads=1)
+    ids = [i for b in VolumeDataLoader(dataset, num_workers=0) for i in b.sample_ids.tolist()]
+    assert sorted(ids) == list(range(12))

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def open_filesystem(
         return pafs.LocalFileSystem(), os.path.abspath(parsed.path if parsed.scheme else uri)
     try:
         return pafs.FileSystem.from_uri(uri)
-    except (pafs.ArrowInvalid, ValueError):
+    except (pa.ArrowInvalid, ValueError):
         import fsspec
 
         fs, path = fsspec.core.url_to_fs(uri)
