@@ -21,6 +21,16 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{directory}/mlflow.db"
 
 
+def current_run_name() -> str:
+    """The Ray Train run's name inside a train function, else ``"ray_resilient"``."""
+    try:
+        import ray.train
+
+        return ray.train.get_context().get_experiment_name()
+    except (RuntimeError, ValueError):
+        return "ray_resilient"
+
+
 class MlflowMetrics:
     """Logs metric dicts to the MLflow run of ``run_name`` (created on first use, reused after).
 

@@ -29,6 +29,14 @@ os.environ.setdefault("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")
 sys.path[:0] = [str(TESTS_DIR), str(JOBS_DIR)]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def mlflow_store(tmp_path_factory):
+    """A real, local MLflow tracking store for the session (never the user's own)."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    return uri
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A fresh local Ray cluster for the session (never attaches to a leftover one)."""

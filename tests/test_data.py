@@ -324,3 +324,17 @@ def test_fsspec_url_volume(image_dir, tmp_path):
     dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=4, seed=1, prefetch_threads=1)
     ids = [i for b in VolumeDataLoader(dataset, num_workers=0) for i in b.sample_ids.tolist()]
     assert sorted(ids) == list(range(12))
+
+
+def test_loader_logs_to_mlflow_on_rank_0_by_default(image_dir, tmp_path):
+    volume = Volume(image_dir)
+    ranks = [VolumeDataLoader(VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=GLOBAL_BATCH, rank=r,
+                                                 world_size=2), num_workers=1) for r in range(2)]
+    assert ranks[0].metrics_logger == "mlflow" and ranks[1].metrics_logger is None
+    ranks[0].log_every = 5
+    list(ranks[0])  # 11 batches: logs twice, into the session's MLflow store (MLFLOW_TRACKING_URI)
+    from ray_resilient.tracking import MlflowMetrics
+
+    assert isinstance(ranks[0].metrics_logger, MlflowMetrics)
+    history = ranks[0].metrics_logger.client.get_metric_history(ranks[0].metrics_logger.run_id, "data/fetch_seconds")
+    assert [m.step for m in history][-2:] == [5, 10]

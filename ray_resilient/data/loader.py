@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from ray_resilient.data.cache import CacheStats
 from ray_resilient.data.dataset import Batch, StreamingVolumeDataset
+from ray_resilient.tracking import MlflowMetrics, current_run_name
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,10 @@ class VolumeDataLoader(DataLoader):
         pin_memory: pin batches for fast host-to-GPU copies (default: when CUDA is available).
         persistent_workers: keep workers (and their prefetch windows and threads) across epochs.
         prefetch_factor: batches each worker prepares ahead.
-        metrics_logger: called with (metrics, global batch position) every ``log_every``
-            batches, e.g. :class:`ray_resilient.tracking.MlflowMetrics` on rank 0; None logs
-            nothing.
+        metrics_logger: called with (metrics, batches so far) every ``log_every`` batches. The
+            default, ``"mlflow"``, logs on rank 0 to the MLflow run of the current Ray Train
+            run (:class:`ray_resilient.tracking.MlflowMetrics`, metric names prefixed ``data/``);
+            None logs nothing.
         log_every: batches between two metrics_logger calls.
     """
 
@@ -76,7 +78,7 @@ class VolumeDataLoader(DataLoader):
         pin_memory: bool | None = None,
         persistent_workers: bool = True,
         prefetch_factor: int = 4,
-        metrics_logger: Any | None = None,
+        metrics_logger: Callable[[dict[str, float], int], None] | str | None = "mlflow",
         log_every: int = 50,
         **kwargs: Any,
     ):
@@ -98,7 +100,9 @@ class VolumeDataLoader(DataLoader):
         self.epoch = 0
         self.batch = 0  # global batches of this epoch the training loop received
         self.metrics = LoaderMetrics()
-        self.metrics_logger = metrics_logger
+        if metrics_logger not in (None, "mlflow") and not callable(metrics_logger):
+            raise ValueError(f"metrics_logger must be a callable, 'mlflow' or None, got {metrics_logger!r}")
+        self.metrics_logger = None if metrics_logger == "mlflow" and dataset.rank != 0 else metrics_logger
         self.log_every = log_every
 
     @property
@@ -139,6 +143,8 @@ class VolumeDataLoader(DataLoader):
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
         if self.metrics_logger is not None and m.batches % self.log_every == 0:
+            if self.metrics_logger == "mlflow":  # created on first use: it opens the tracking store
+                self.metrics_logger = MlflowMetrics(current_run_name(), prefix="data/")
             self.metrics_logger(m.as_dict(), m.batches)
 
     # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------
