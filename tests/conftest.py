@@ -148,3 +148,14 @@ def multi_node_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.ray("stop", "--force", check=False)
+
+
+@pytest.fixture(scope="session")
+def image_dir(tmp_path_factory) -> str:
+    """A local ImageFolder volume of 69 real JPEGs (3 classes x 23, 20x20 pixels)."""
+    import pyarrow.fs as pafs
+    from make_image_volume import make_image_volume
+
+    root = tmp_path_factory.mktemp("volume") / "shapes"
+    make_image_volume(pafs.LocalFileSystem(), str(root), classes=3, per_class=23, size=20, seed=5)
+    return str(root)

@@ -14,7 +14,6 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from make_image_volume import make_image_volume
 from ray_resilient.data import (
     CorruptSampleError,
     FileCache,
@@ -26,15 +25,7 @@ from ray_resilient.data import (
     default_transform,
 )
 
-CLASSES, PER_CLASS = 3, 23  # 69 images: an uneven count
-GLOBAL_BATCH = 6
-
-
-@pytest.fixture(scope="session")
-def image_dir(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("volume") / "shapes"
-    make_image_volume(pafs.LocalFileSystem(), str(root), classes=CLASSES, per_class=PER_CLASS, size=20, seed=5)
-    return str(root)
+GLOBAL_BATCH = 6  # the session's image_dir volume has 69 images: an uneven count
 
 
 def make_loader(volume: Volume, cache_dir, rank=0, world=1, workers=2, **options) -> VolumeDataLoader:

@@ -6,7 +6,6 @@ import pytest
 
 import trainlib
 from test_checkpoint_ray import assert_same_weights, final_weights
-from test_data import image_dir  # noqa: F401  (the session's JPEG volume)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -21,7 +20,7 @@ def run(image_dir, tmp_path, faults: str):
     return record
 
 
-def test_killed_worker_resumes_with_exactly_the_samples_of_an_uninterrupted_run(image_dir, tmp_path):  # noqa: F811
+def test_killed_worker_resumes_with_exactly_the_samples_of_an_uninterrupted_run(image_dir, tmp_path):
     reference = run(image_dir, tmp_path / "reference", "")
     killed = run(image_dir, tmp_path / "killed", "kill:step=13:rank=1")
     assert [a["restored_step"] for a in trainlib.read_attempts(str(killed))] in ([0, 5], [0, 10])

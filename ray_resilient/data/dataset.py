@@ -73,6 +73,8 @@ class StreamingVolumeDataset(IterableDataset):
         prefetch_files, prefetch_bytes: each worker's prefetch window.
         prefetch_threads: concurrent downloads per worker (latency hiding for remote volumes).
         skip_corrupt: skip (and count) samples that fail to decode instead of raising.
+        transform: applied to each decoded ``uint8`` CHW image; must give equal shapes
+            (default: to float in [0, 1]).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class StreamingVolumeDataset(IterableDataset):
         global_batch: int,
         rank: int,
         seed: int,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None,
         cache_limit: int | None,
         prefetch_files: int,
         prefetch_bytes: int,
@@ -101,6 +104,7 @@ class StreamingVolumeDataset(IterableDataset):
         FileCache(cache_dir, cache_limit)  # fail now on an unwritable directory, and clean up a crash
         self.prefetch_files, self.prefetch_bytes, self.prefetch_threads = prefetch_files, prefetch_bytes, prefetch_threads
         self.skip_corrupt = skip_corrupt
+        self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
         # (epoch, first batch) of the next iteration, set by the loader in the main process and
         # read by the workers, which (persistent or not) start from it.
         self._start = multiprocessing.get_context().RawArray("q", 2)
@@ -136,11 +140,32 @@ class StreamingVolumeDataset(IterableDataset):
                                           self.prefetch_bytes)
         return self._prefetcher
 
-    def _decode(self, data: torch.Tensor, name: str) -> torch.Tensor:
+    def _sample(self, data: torch.Tensor, name: str, epoch: int, sample_id: int) -> torch.Tensor | None:
+        """Decode and augment one sample, its randomness seeded from (seed, epoch, sample id).
+
+        None for a sample that does not decode when ``skip_corrupt``; else CorruptSampleError.
+        """
         try:
-            return decode_image(data, mode=ImageReadMode.RGB)
+            image = decode_image(data, mode=ImageReadMode.RGB)
         except RuntimeError as err:
-            raise CorruptSampleError(f"cannot decode {self.volume.uri}/{name}: {err}") from err
+            if not self.skip_corrupt:
+                raise CorruptSampleError(f"cannot decode {self.volume.uri}/{name}: {err}") from err
+            logger.warning("skipping corrupt sample %s/%s", self.volume.uri, name)
+            return None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, epoch, sample_id))
+            return self.transform(image)
+
+    def _worker_batch(self, samples: list[tuple[int, torch.Tensor | None, int]], number: int) -> WorkerBatch:
+        """A batch from (sample id, image or None if skipped, label) triples."""
+        kept = [(i, image, label) for i, image, label in samples if image is not None]
+        batch = Batch(
+            torch.stack([image for _, image, _ in kept]) if kept else torch.empty(0),
+            torch.tensor([label for _, _, label in kept], dtype=torch.long),
+            torch.tensor([i for i, _, _ in kept], dtype=torch.long),
+            number,
+        )
+        return WorkerBatch(batch, self._cache_delta(), len(samples) - len(kept))
 
     def _cache_delta(self) -> CacheStats:
         stats = self._get_prefetcher().cache.stats
@@ -161,7 +186,6 @@ class VolumeImageDataset(StreamingVolumeDataset):
 
     Args (besides :class:`StreamingVolumeDataset`'s):
         world_size: the number of ranks (Ray Train's world size).
-        transform: applied to each decoded ``uint8`` CHW image; must give equal shapes.
         drop_last: drop the epoch's tail that does not fill a global batch (True), or pad the
             last batch by repeating samples from the epoch's start (False).
     """
@@ -183,11 +207,10 @@ class VolumeImageDataset(StreamingVolumeDataset):
         prefetch_threads: int = 8,
         skip_corrupt: bool = False,
     ):
-        super().__init__(volume, cache_dir, global_batch=global_batch, rank=rank, seed=seed, cache_limit=cache_limit,
-                         prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes,
+        super().__init__(volume, cache_dir, global_batch=global_batch, rank=rank, seed=seed, transform=transform,
+                         cache_limit=cache_limit, prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes,
                          prefetch_threads=prefetch_threads, skip_corrupt=skip_corrupt)
         self.plan = SamplePlan(len(volume.files), global_batch, world_size, seed, drop_last)
-        self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
 
     def batches_per_epoch(self, epoch: int) -> int:
         return self.plan.batches_per_epoch
@@ -201,27 +224,16 @@ class VolumeImageDataset(StreamingVolumeDataset):
         prefetcher = self._get_prefetcher()
         prefetcher.restart(self._sample_stream(epoch, worker, workers, start))
         for number, indices in batches:
-            images, labels, kept, skipped = [], [], [], 0
+            samples = []
             for sample in indices.tolist():
+                file = self.volume.files[sample]
                 path, pin = prefetcher.next_path(sample)
                 try:
-                    image = self._decode(read_file(path), self.volume.files[sample].path)
-                except CorruptSampleError:
-                    if not self.skip_corrupt:
-                        raise
-                    skipped += 1
-                    logger.warning("skipping corrupt sample %s", self.volume.files[sample].path)
-                    continue
+                    data = read_file(path)
                 finally:
                     prefetcher.release(pin)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(derive_seed(self.plan.seed, epoch, sample))
-                    images.append(self.transform(image))
-                labels.append(self.volume.files[sample].label)
-                kept.append(sample)
-            batch = Batch(torch.stack(images) if images else torch.empty(0), torch.tensor(labels, dtype=torch.long),
-                          torch.tensor(kept, dtype=torch.long), number)
-            yield WorkerBatch(batch, self._cache_delta(), skipped)
+                samples.append((sample, self._sample(data, file.path, epoch, sample), file.label))
+            yield self._worker_batch(samples, number)
 
     def _sample_stream(self, epoch: int, worker: int, workers: int, start: int) -> Iterator[int]:
         """This worker's samples in plan order, from (epoch, start) on into the following epochs."""

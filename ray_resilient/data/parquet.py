@@ -21,9 +21,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from torchvision.transforms import v2
 
-from ray_resilient.data.dataset import Batch, CorruptSampleError, StreamingVolumeDataset, WorkerBatch
+from ray_resilient.data.dataset import StreamingVolumeDataset, WorkerBatch
 from ray_resilient.data.plan import derive_seed
 from ray_resilient.data.prefetch import Prefetcher
 from ray_resilient.data.volume import Volume
@@ -65,7 +64,6 @@ class ParquetVolumeDataset(StreamingVolumeDataset):
             plan deals files to ``world_size * num_workers`` slots, so it must be known here).
         image_column, label_column: the columns holding encoded image bytes and the label.
         shuffle_window: rows in each worker's shuffle buffer.
-        transform: applied to each decoded ``uint8`` CHW image; must give equal shapes.
     """
 
     def __init__(
@@ -88,15 +86,14 @@ class ParquetVolumeDataset(StreamingVolumeDataset):
         prefetch_threads: int = 2,
         skip_corrupt: bool = False,
     ):
-        super().__init__(volume, cache_dir, global_batch=global_batch, rank=rank, seed=seed, cache_limit=cache_limit,
-                         prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes,
+        super().__init__(volume, cache_dir, global_batch=global_batch, rank=rank, seed=seed, transform=transform,
+                         cache_limit=cache_limit, prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes,
                          prefetch_threads=prefetch_threads, skip_corrupt=skip_corrupt)
         if global_batch % world_size:
             raise ValueError(f"global batch size {global_batch} is not divisible by the world size {world_size}")
         self.world_size, self.num_workers = world_size, max(num_workers, 1)
         self.image_column, self.label_column = image_column, label_column
         self.shuffle_window = shuffle_window
-        self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
         row_counts = [self._row_count(f.path) for f in volume.files]
         self.row_offsets = np.concatenate([[0], np.cumsum(row_counts)]).tolist()
         self.plan = ParquetPlan(row_counts, global_batch // world_size, world_size * self.num_workers, seed)
@@ -132,24 +129,9 @@ class ParquetVolumeDataset(StreamingVolumeDataset):
             chunk = list(itertools.islice(rows, per_rank))
             if j < done:
                 continue  # fast-forward through batches the training loop already consumed
-            images, labels, ids, skipped = [], [], [], 0
-            for row_id, image_bytes, label in chunk:
-                try:
-                    image = self._decode(torch.frombuffer(bytearray(image_bytes), dtype=torch.uint8),
-                                         f"row {row_id}")
-                except CorruptSampleError:
-                    if not self.skip_corrupt:
-                        raise
-                    skipped += 1
-                    continue
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(derive_seed(self.seed, epoch, row_id))
-                    images.append(self.transform(image))
-                labels.append(label)
-                ids.append(row_id)
-            batch = Batch(torch.stack(images) if images else torch.empty(0), torch.tensor(labels, dtype=torch.long),
-                          torch.tensor(ids, dtype=torch.long), j * self.num_workers + role)
-            yield WorkerBatch(batch, self._cache_delta(), skipped)
+            samples = [(row_id, self._sample(torch.frombuffer(bytearray(data), dtype=torch.uint8), f"row {row_id}",
+                                             epoch, row_id), label) for row_id, data, label in chunk]
+            yield self._worker_batch(samples, j * self.num_workers + role)
 
     def _shuffled_rows(
         self, epoch: int, slot: int, files: list[int], prefetcher: Prefetcher
