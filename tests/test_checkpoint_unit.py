@@ -16,7 +16,7 @@ from ray_resilient.checkpoint.layout import (
     parse_checkpoint_dir_name,
 )
 from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
-from ray_resilient.checkpoint.state import TrainingComponents, TrainState
+from ray_resilient.checkpoint.state import TrainingComponents, TrainState, own_share
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
 from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults
@@ -150,3 +150,22 @@ def test_cuda_state_stages_to_pinned_memory_and_round_trips(storage):
     assert load_newest_loadable(storage, plan.candidates, restored, 0, 1, None) is not None
     for key, value in expected.items():
         assert torch.equal(restored.model.state_dict()[key], value)
+
+
+def test_replicated_tensors_are_dealt_to_ranks_disjointly_and_completely():
+    tree = {"a": torch.zeros(100), "b": {"c": torch.zeros(60), "d": torch.zeros(50), "n": 3}, "e": torch.zeros(10)}
+    shares = [own_share(tree, rank, 2) for rank in range(2)]
+
+    def tensor_names(node, prefix=""):
+        names = set()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                names |= tensor_names(value, f"{prefix}{key}.")
+            elif isinstance(value, torch.Tensor):
+                names.add(f"{prefix}{key}")
+        return names
+
+    owned = [tensor_names(share) for share in shares]
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == {"a", "b.c", "b.d", "e"}
+    assert owned == [{"a", "e"}, {"b.c", "b.d"}]  # 440 bytes each: dealt largest first, by size
+    assert all(share["b"]["n"] == 3 for share in shares)  # non-tensors stay everywhere (DCP dedups them)

@@ -23,6 +23,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.stateful import Stateful
 
 MODEL = "model"
@@ -100,6 +101,41 @@ def reseed_rng(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(derived)
 
 
+def own_share(tree: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """``tree`` without the tensors other ranks save: replicated tensors are dealt to ranks by
+    size (largest first, to the rank with the fewest bytes so far), identically on every rank,
+    so the ranks' shares are disjoint and together hold every tensor once."""
+    sizes: dict[tuple[str, ...], int] = {}
+
+    def collect(node: Mapping[str, Any], path: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                collect(value, (*path, str(key)))
+            elif isinstance(value, torch.Tensor):
+                sizes[(*path, str(key))] = value.numel() * value.element_size()
+
+    collect(tree, ())
+    loads = [0] * world_size
+    mine = set()
+    for path, nbytes in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
+        owner = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[owner] += nbytes
+        if owner == rank:
+            mine.add(path)
+
+    def prune(node: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+        kept = {}
+        for key, value in node.items():
+            here = (*path, str(key))
+            if isinstance(value, Mapping):
+                kept[key] = prune(value, here)
+            elif not isinstance(value, torch.Tensor) or here in mine:
+                kept[key] = value
+        return kept
+
+    return prune(tree, ())
+
+
 class TrainingComponents:
     """The live objects a checkpoint captures, and how each becomes (and comes back from) state."""
 
@@ -141,11 +177,20 @@ class TrainingComponents:
         return state
 
     def state_to_save(self, train_state: TrainState, rank: int) -> dict[str, Any]:
-        """The full DCP state dict of this rank (tensors still live; the stager copies them)."""
+        """The DCP state dict this rank saves (tensors still live; the stager copies them).
+
+        With DDP every rank holds the same model and optimizer tensors, and DCP would write
+        each once anyway: each rank hands over only its share (:func:`own_share`), so each
+        stages half (with 2 ranks) of the replicated state. The checkpoint is the same.
+        """
         rank_state: dict[str, Any] = {RNG: capture_rng_state()}
         if self.data is not None:
             rank_state[DATA] = self.data.state_dict()
         state = self._shared_state()
+        if train_state.world_size > 1 and isinstance(self.model, DistributedDataParallel):
+            for key in (MODEL, OPTIMIZER):
+                if key in state:
+                    state[key] = own_share(state[key], rank, train_state.world_size)
         state[TRAIN_STATE] = train_state.state_dict()
         state[RANK_STATE] = {rank_key(rank): rank_state}
         return state
