@@ -44,7 +44,7 @@ class CheckpointStorage:
 
         storage = ray.train.get_context().get_storage()
         run_name = Path(storage.experiment_fs_path).name
-        default_local = os.path.join(tempfile.gettempdir(), "ray_resilient", run_name)
+        default_local = os.path.join(tempfile.gettempdir(), "ray-resilient", run_name)
         return cls(storage.storage_filesystem, storage.experiment_fs_path, local_dir or default_local)
 
     @property
