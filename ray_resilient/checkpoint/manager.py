@@ -186,7 +186,7 @@ class CheckpointManager:
 
         Raises CheckpointSaveError if the final checkpoint could not be made durable.
         """
-        if self._last_saved_step == self.train_state.step and self._writer.pending is None:
+        if self._last_saved_step == self.train_state.step and not self._writer.in_flight:
             return None
         if self._last_saved_step == self.train_state.step:
             result = self._complete_pending()

@@ -44,14 +44,6 @@ class SaveResult:
     error: str | None = None
 
 
-@dataclass
-class PendingSave:
-    step: int
-    path: str
-    stage_seconds: float
-    future: Future[SaveResult]
-
-
 class _ShardWriter(FileSystemWriter):
     """DCP's file writer, with the ``upload`` fault point between the shards and ``.metadata``."""
 
@@ -89,7 +81,7 @@ class AsyncCheckpointWriter:
             )
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray_resilient_ckpt")
-        self._pending: PendingSave | None = None
+        self._pending: Future[SaveResult] | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -97,10 +89,11 @@ class AsyncCheckpointWriter:
         return self._group
 
     @property
-    def pending(self) -> PendingSave | None:
-        return self._pending
+    def in_flight(self) -> bool:
+        """Whether a save was started and not yet waited for."""
+        return self._pending is not None
 
-    def save(self, state_dict: dict[str, Any], step: int, name: str) -> PendingSave:
+    def save(self, state_dict: dict[str, Any], step: int, name: str) -> None:
         """Stage ``state_dict`` (the training loop's only cost) and write it in the background
         as the checkpoint directory ``name``."""
         if self._pending is not None:
@@ -109,15 +102,13 @@ class AsyncCheckpointWriter:
         self.faults.fire("staging", step)
         staged = self._stager.stage(state_dict)
         stage_seconds = time.monotonic() - started
-        future = self._executor.submit(self._write, staged, step, name, started, stage_seconds)
-        self._pending = PendingSave(step, self.storage.checkpoint_path(name), stage_seconds, future)
-        return self._pending
+        self._pending = self._executor.submit(self._write, staged, step, name, started, stage_seconds)
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight (if any) is durable or failed, and return its result."""
         if self._pending is None:
             return None
-        result = self._pending.future.result()
+        result = self._pending.result()
         self._pending = None
         return result
 
