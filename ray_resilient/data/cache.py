@@ -83,8 +83,8 @@ class FileCache:
     def unpin(handle: int) -> None:
         os.close(handle)  # closing releases the flock
 
-    def fetch(self, key: str, size: int, download: Callable[[str], int]) -> str:
-        """The local path of ``key``, downloading it with ``download(temporary_path)`` on a miss."""
+    def lookup(self, key: str, size: int) -> str | None:
+        """The local path of ``key`` if it is cached (a hit), else None."""
         final = self.path(key)
         try:
             if os.path.getsize(final) == size:
@@ -93,6 +93,14 @@ class FileCache:
                 return final
         except FileNotFoundError:
             pass
+        return None
+
+    def fetch(self, key: str, size: int, download: Callable[[str], int]) -> str:
+        """The local path of ``key``, downloading it with ``download(temporary_path)`` on a miss."""
+        cached = self.lookup(key, size)
+        if cached is not None:
+            return cached
+        final = self.path(key)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         temporary = f"{final}.tmp-{os.getpid()}-{next(self._counter)}"
         started = time.monotonic()

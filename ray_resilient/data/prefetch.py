@@ -75,8 +75,13 @@ class Prefetcher:
     def _submit(self, sample: int) -> _Slot:
         file = self.volume.files[sample]
         pin = self.cache.pin(file.path)
-        future = self._pool.submit(self.cache.fetch, file.path, file.size,
-                                   lambda dest, path=file.path: self.volume.download(path, dest))
+        cached = self.cache.lookup(file.path, file.size)
+        if cached is None:
+            future = self._pool.submit(self.cache.fetch, file.path, file.size,
+                                       lambda dest, path=file.path: self.volume.download(path, dest))
+        else:  # a hit is one stat: handing it to a thread would cost more than it
+            future = Future()
+            future.set_result(cached)
         return _Slot(sample, future, pin)
 
     def close(self) -> None:
