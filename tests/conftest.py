@@ -47,6 +47,18 @@ def ray_cluster():
     ray.shutdown()
 
 
+POLL_SECONDS = 0.1
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    """Poll ``condition`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(POLL_SECONDS)
+
+
 @dataclass(frozen=True)
 class S3Server:
     """A real S3-compatible server (SeaweedFS) on loopback."""
@@ -92,16 +104,21 @@ def s3_server(tmp_path_factory):
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     fs = server.filesystem()
-    deadline = time.monotonic() + 60
-    while True:  # ready once the bucket answers a listing
+
+    def bucket_answers() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"SeaweedFS exited; see {data_dir / 'weed.log'}")
         try:
             fs.get_file_info(pafs.FileSelector(server.bucket))
-            break
+            return True
         except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"SeaweedFS did not start; see {data_dir / 'weed.log'}")
-            time.sleep(0.2)  # polling a readiness condition, not synchronizing on time
+            return False
+
+    try:
+        wait_until(bucket_answers, timeout=60, what="SeaweedFS to serve the bucket")
+    except BaseException:
+        proc.kill()
+        raise
     yield server
     proc.terminate()
     try:

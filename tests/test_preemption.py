@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 import textwrap
-import time
 
 import pyarrow.fs as pafs
 import pytest
 
+from conftest import wait_until
 from ray_resilient import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -28,10 +28,12 @@ def test_preemption_notice_triggers_a_just_in_time_checkpoint(multi_node_cluster
     """)
     proc = subprocess.Popen([sys.executable, "-c", driver], env=multi_node_cluster.env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not (progress.exists() and json.loads(progress.read_text() or "{}").get("step", -1) >= 10):
-        assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-        time.sleep(0.1)  # polling a condition (training progress), not synchronizing on time
+
+    def trained_ten_steps() -> bool:
+        assert proc.poll() is None, "the driver exited before training reached step 10"
+        return progress.exists() and json.loads(progress.read_text() or "{}").get("step", -1) >= 10
+
+    wait_until(trained_ten_steps, timeout=300, what="training to reach step 10")
     node_id = json.loads(progress.read_text())["node_id"]
     multi_node_cluster.ray("drain-node", f"--address={multi_node_cluster.address}", f"--node-id={node_id}",
                            "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot reclaim (test)",

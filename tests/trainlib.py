@@ -188,6 +188,9 @@ def consumed_samples(record_dir: str, rank: int) -> dict[int, list[int]]:
     return steps
 
 
+EMULATED_STEP_SECONDS = 0.02
+
+
 def preemption_fn(config: dict[str, Any]) -> None:
     """Train (with emulated compute time) until a just-in-time checkpoint was taken, then a few
     more steps. Rank 0 writes its node id and step to ``progress`` so the test can drain the node."""
@@ -202,7 +205,7 @@ def preemption_fn(config: dict[str, Any]) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            time.sleep(0.02)  # emulated compute, so the loop is still running when the drain lands
+            time.sleep(EMULATED_STEP_SECONDS)  # accelerator compute; keeps the loop running while the drain lands
             ckpt.step_completed(0)
             if ctx.get_world_rank() == 0:
                 with open(config["progress"], "w") as out:
