@@ -14,6 +14,7 @@ another, the epoch restarts from its beginning (with a warning).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -45,6 +46,7 @@ class ParquetPlan:
         order = np.random.default_rng(derive_seed(self.seed, epoch)).permutation(len(self.row_counts))
         return order[slot::self.slots].tolist()
 
+    @functools.lru_cache(maxsize=4)  # asked on every batch by the loader
     def batches_per_slot(self, epoch: int) -> int:
         rows = [sum(self.row_counts[f] for f in self.files(epoch, s)) for s in range(self.slots)]
         batches = min(rows) // self.per_rank_batch
