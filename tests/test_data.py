@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -24,6 +25,8 @@ from ray_resilient.data import (
     VolumeImageDataset,
     default_transform,
 )
+from ray_resilient.data.dataset import read_bytes
+from ray_resilient.data.prefetch import Prefetcher
 
 GLOBAL_BATCH = 6  # the session's image_dir volume has 69 images: an uneven count
 
@@ -208,6 +211,23 @@ def test_restarted_job_reuses_the_cache(image_dir, tmp_path):
     again = make_loader(volume, tmp_path / "cache")
     list(again)
     assert again.metrics.cache.misses == 0 and again.metrics.cache.hits > 0
+
+
+def test_a_file_evicted_from_the_window_by_another_process_is_downloaded_again(image_dir, tmp_path):
+    """An unlimited cache takes no pins; a process sharing its directory with a limit may evict."""
+    volume = Volume(image_dir)
+    cache = FileCache(str(tmp_path / "cache"))
+    for file in volume.files[:8]:
+        cache.fetch(file.path, file.size, lambda dest, path=file.path: volume.download(path, dest))
+    prefetcher = Prefetcher(volume, cache, threads=2, max_files=8, max_bytes=1 << 30)
+    prefetcher.restart(iter(range(8)))  # all eight are cache hits in the window
+    for file in volume.files[1:8]:
+        os.remove(cache.path(file.path))  # what another process's eviction does
+    read = [prefetcher.read(sample, read_bytes) for sample in range(8)]
+    prefetcher.close()
+    expected = [(Path(image_dir) / f.path).read_bytes() for f in volume.files[:8]]
+    assert [bytes(t.numpy()) for t in read] == expected
+    assert (cache.stats.hits, cache.stats.misses) == (8, 8 + 7)
 
 
 def test_a_download_killed_midway_leaves_no_corrupt_cached_file(tmp_path):

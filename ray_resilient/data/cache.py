@@ -6,6 +6,8 @@
 - ``limit_bytes`` bounds the cache. Eviction removes least recently used files, never a
   *pinned* one: a worker holds a shared ``flock`` on a file's lock while the file is in its
   prefetch window, and the evictor only removes files whose lock it can take exclusively.
+  A cache without a limit never evicts, so it neither pins nor tracks recency (two syscalls
+  fewer per sample); processes sharing a directory should pass the same limit.
 - A job restarted on the same node finds its files still there.
 """
 
@@ -73,22 +75,26 @@ class FileCache:
     def _lock_path(self, key: str) -> str:
         return os.path.join(self.directory, _LOCKS, key.replace("/", "%2F") + ".lock")
 
-    def pin(self, key: str) -> int:
+    def pin(self, key: str) -> int | None:
         """Protect ``key`` from eviction until :meth:`unpin`; returns the handle to pass there."""
+        if self.limit_bytes is None:
+            return None
         fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd
 
     @staticmethod
-    def unpin(handle: int) -> None:
-        os.close(handle)  # closing releases the flock
+    def unpin(handle: int | None) -> None:
+        if handle is not None:
+            os.close(handle)  # closing releases the flock
 
     def lookup(self, key: str, size: int) -> str | None:
         """The local path of ``key`` if it is cached (a hit), else None."""
         final = self.path(key)
         try:
             if os.path.getsize(final) == size:
-                os.utime(final)  # recency for LRU eviction
+                if self.limit_bytes is not None:
+                    os.utime(final)  # recency for LRU eviction
                 self.stats.hits += 1
                 return final
         except FileNotFoundError:

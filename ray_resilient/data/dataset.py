@@ -11,12 +11,13 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
-from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from ray_resilient.data.cache import CacheStats, FileCache
@@ -46,6 +47,18 @@ class WorkerBatch(NamedTuple):
     batch: Batch
     cache: CacheStats
     skipped: int
+
+
+def read_bytes(path: str) -> torch.Tensor:
+    """A local file's bytes as a ``uint8`` tensor (half the time of ``torchvision.io.read_file``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = bytearray(os.fstat(fd).st_size)
+        if os.readv(fd, [data]) != len(data):
+            raise OSError(f"{path} changed while it was read")
+    finally:
+        os.close(fd)
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def default_transform(image_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -152,10 +165,14 @@ class StreamingVolumeDataset(IterableDataset):
                 raise CorruptSampleError(f"cannot decode {self.volume.uri}/{name}: {err}") from err
             logger.warning("skipping corrupt sample %s/%s", self.volume.uri, name)
             return None
-        with torch.random.fork_rng(devices=[]):
-            # The CPU generator only: torch.manual_seed also queues a lazy CUDA seeding, which
-            # captures a stack trace on every call (~0.5 ms, more than decoding a small JPEG).
-            torch.default_generator.manual_seed(derive_seed(self.seed, epoch, sample_id))
+        # The CPU generator only: torch.manual_seed also queues a lazy CUDA seeding, which
+        # captures a stack trace on every call (~0.5 ms, more than decoding a small JPEG).
+        seed = derive_seed(self.seed, epoch, sample_id)
+        if get_worker_info() is not None:  # a worker process: its generator serves this alone
+            torch.default_generator.manual_seed(seed)
+            return self.transform(image)
+        with torch.random.fork_rng(devices=[]):  # num_workers=0: keep the training loop's stream
+            torch.default_generator.manual_seed(seed)
             return self.transform(image)
 
     def _worker_batch(self, samples: list[tuple[int, torch.Tensor | None, int]], number: int) -> WorkerBatch:
@@ -231,11 +248,7 @@ class VolumeImageDataset(StreamingVolumeDataset):
             samples = []
             for sample in indices.tolist():
                 file = self.volume.files[sample]
-                path, pin = prefetcher.next_path(sample)
-                try:
-                    data = read_file(path)
-                finally:
-                    prefetcher.release(pin)
+                data = prefetcher.read(sample, read_bytes)
                 samples.append((sample, self._sample(data, file.path, epoch, sample), file.label))
             yield self._worker_batch(samples, number)
 

@@ -142,11 +142,8 @@ class ParquetVolumeDataset(StreamingVolumeDataset):
         rng = np.random.default_rng(derive_seed(self.seed, epoch, 1_000_003 + slot))
         buffer: list[tuple[int, bytes, int]] = []
         for file in files:
-            path, pin = prefetcher.next_path(file)
-            try:
-                table = pq.read_table(path, columns=[self.image_column, self.label_column])
-            finally:
-                prefetcher.release(pin)
+            table = prefetcher.read(file, lambda path: pq.read_table(path, columns=[self.image_column,
+                                                                                   self.label_column]))
             offset = self.row_offsets[file]
             images = table.column(self.image_column).to_pylist()
             labels = table.column(self.label_column).to_pylist()

@@ -20,9 +20,23 @@ from dataclasses import dataclass
 import numpy as np
 
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
 def derive_seed(*parts: int) -> int:
-    """A well-mixed 63-bit seed from integers, e.g. (seed, epoch, sample index)."""
-    return int(np.random.SeedSequence([p & 0xFFFFFFFFFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
+    """A well-mixed 63-bit seed from integers, e.g. (seed, epoch, sample index).
+
+    SplitMix64's finalizer applied along the parts: order-sensitive, a few microseconds in pure
+    Python (it runs once per sample; numpy's ``SeedSequence`` takes ten times as long).
+    """
+    state = _GOLDEN
+    for part in parts:
+        state = (state + (part & _MASK64) + _GOLDEN) & _MASK64
+        state = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        state = ((state ^ (state >> 27)) * 0x94D049BB133111EB) & _MASK64
+        state ^= state >> 31
+    return state >> 1
 
 
 @dataclass(frozen=True)

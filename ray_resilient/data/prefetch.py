@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import os
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ray_resilient.data.cache import FileCache
 from ray_resilient.data.volume import Volume
+
+T = TypeVar("T")
 
 
 @dataclass
 class _Slot:
     sample: int
-    future: Future[str]
-    pin: int
+    cached: str | Future[str]  # the cached path, or its download in flight
+    pin: int | None
+
+    def path(self) -> str:
+        return self.cached if isinstance(self.cached, str) else self.cached.result()
+
+    def cancel(self) -> None:
+        if not isinstance(self.cached, str):
+            self.cached.cancel()
 
 
 class Prefetcher:
@@ -44,22 +55,30 @@ class Prefetcher:
         self._fill(reusable)
         for slots in reusable.values():
             for slot in slots:
-                slot.future.cancel()
+                slot.cancel()
                 self.cache.unpin(slot.pin)
 
-    def next_path(self, sample: int) -> tuple[str, int]:
-        """The cached path of ``sample`` (the stream's next one) and its pin, to :meth:`release`."""
+    def read(self, sample: int, reader: Callable[[str], T]) -> T:
+        """``reader(cached path)`` of ``sample``, the stream's next one, then unpins it.
+
+        A cache without a limit takes no pins, so another process sharing its directory with a
+        limit may evict a file of this window: such a file is downloaded again.
+        """
         slot = self._window.popleft()
         if slot.sample != sample:
             raise RuntimeError(f"prefetch stream out of order: expected sample {slot.sample}, asked for {sample}")
         self._window_bytes -= self.volume.files[sample].size
+        self._fill({})
         try:
-            return slot.future.result(), slot.pin
+            path = slot.path()
+            try:
+                return reader(path)
+            except Exception:
+                if os.path.exists(path):
+                    raise
+                return reader(self._fetch(sample))
         finally:
-            self._fill({})
-
-    def release(self, pin: int) -> None:
-        self.cache.unpin(pin)
+            self.cache.unpin(slot.pin)
 
     def _fill(self, reusable: dict[int, list[_Slot]]) -> None:
         while len(self._window) < self.max_files:
@@ -76,17 +95,16 @@ class Prefetcher:
         file = self.volume.files[sample]
         pin = self.cache.pin(file.path)
         cached = self.cache.lookup(file.path, file.size)
-        if cached is None:
-            future = self._pool.submit(self.cache.fetch, file.path, file.size,
-                                       lambda dest, path=file.path: self.volume.download(path, dest))
-        else:  # a hit is one stat: handing it to a thread would cost more than it
-            future = Future()
-            future.set_result(cached)
-        return _Slot(sample, future, pin)
+        # a hit is one stat: handing it to a thread would cost more than it
+        return _Slot(sample, self._pool.submit(self._fetch, sample) if cached is None else cached, pin)
+
+    def _fetch(self, sample: int) -> str:
+        file = self.volume.files[sample]
+        return self.cache.fetch(file.path, file.size, lambda dest: self.volume.download(file.path, dest))
 
     def close(self) -> None:
         for slot in self._window:
-            slot.future.cancel()
+            slot.cancel()
             self.cache.unpin(slot.pin)
         self._window.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
