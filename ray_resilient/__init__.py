@@ -8,7 +8,8 @@ from ray_resilient.checkpoint import (
     TrainState,
     list_checkpoints,
 )
-from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults
+from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults, random_kill_plan
+from ray_resilient.ray_config import ResilientRayConfig, RunFailedError, recommended_ray_config
 
 __all__ = [
     "CheckpointManager",
@@ -20,4 +21,8 @@ __all__ = [
     "TrainState",
     "list_checkpoints",
     "parse_faults",
+    "random_kill_plan",
+    "recommended_ray_config",
+    "ResilientRayConfig",
+    "RunFailedError",
 ]

@@ -12,12 +12,14 @@ command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
 Example: ``kill:step=7:rank=1;kill:upload=20`` kills rank 1 after step 7, then rank 0 (the
 default rank) in the middle of writing the checkpoint of step 20. A fault fires once per run:
 before firing it leaves a marker in the run's storage, so the restarted attempt goes past it.
+:func:`random_kill_plan` draws a seeded plan of kills at random moments.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 from dataclasses import dataclass
 
@@ -69,6 +71,25 @@ def parse_faults(spec: str) -> list[Fault]:
             raise ValueError(f"bad fault {entry!r}: action must be one of {ACTIONS}, point one of {POINTS}")
         faults.append(fault)
     return faults
+
+
+def random_kill_plan(seed: int, *, kills: int, steps: int, interval: int, world_size: int, upload_kills: int = 1) -> str:
+    """A seeded plan of ``kills`` SIGKILLs at random moments of a ``steps``-step run, each of a random rank.
+
+    ``upload_kills`` of them strike while a checkpoint (one every ``interval`` steps, before the
+    last step) is being written; the others after random training steps. The same arguments
+    always give the same plan.
+    """
+    rng = random.Random(seed)
+    checkpoint_steps = list(range(interval, steps, interval))
+    if upload_kills > len(checkpoint_steps) or kills - upload_kills > steps - 1 or upload_kills > kills:
+        raise ValueError(f"cannot place {kills} kills ({upload_kills} during uploads) in {steps} steps "
+                         f"with a checkpoint every {interval}")
+    upload = rng.sample(checkpoint_steps, upload_kills)
+    after_step = rng.sample(range(1, steps), kills - upload_kills)
+    faults = [Fault("kill", "upload", s, rng.randrange(world_size)) for s in upload]
+    faults += [Fault("kill", "step", s, rng.randrange(world_size)) for s in after_step]
+    return ";".join(f"{f.action}:{f.point}={f.step}:rank={f.rank}" for f in sorted(faults, key=lambda f: f.step))
 
 
 class FaultInjector:

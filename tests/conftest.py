@@ -128,43 +128,25 @@ def s3_server(tmp_path_factory):
     log.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class MultiNodeCluster:
-    """A Ray cluster of several `ray start` nodes on loopback: a CPU-less head plus worker nodes."""
-
-    address: str
-    temp_dir: Path
-    env: dict[str, str]
-
-    def ray(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        ray_cli = str(Path(sys.executable).with_name("ray"))
-        return subprocess.run([ray_cli, *args], env=self.env, capture_output=True, text=True, timeout=120, check=check)
-
-    def add_worker_node(self, cpus: int) -> None:
-        self.ray("start", f"--address={self.address}", "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}")
-
-
 @pytest.fixture
 def multi_node_cluster(tmp_path_factory):
-    """Head node (no CPUs, so all training lands on worker nodes) plus one 2-CPU worker node."""
-    temp_dir = tmp_path_factory.mktemp("ray")
-    # Token auth is on by default for `ray start`; on loopback in tests it is turned off.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    cluster = MultiNodeCluster(f"127.0.0.1:{free_port()}", temp_dir, env)
-    cluster.ray("start", "--head", f"--port={cluster.address.split(':')[1]}", "--node-ip-address=127.0.0.1",
-                "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={temp_dir}", "--disable-usage-stats")
-    try:
-        cluster.add_worker_node(cpus=2)
+    """A CPU-less head (all training lands on worker nodes) plus one 2-CPU worker node."""
+    from ray_resilient.local_cluster import LocalRayCluster
+
+    with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
+        cluster.add_node(cpus=2)
         yield cluster
-    finally:
-        cluster.ray("stop", "--force", check=False)
+
+
+@pytest.fixture(scope="session")
+def reference(ray_cluster, tmp_path_factory):
+    """An uninterrupted run of ``trainlib.train_fn``: what every resumed run must match bitwise."""
+    import trainlib
+
+    root = tmp_path_factory.mktemp("reference")
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(root / "rec"), str(root / "storage"), "reference")
+    assert result.error is None
+    return {"dir": root, "result": result, "record": root / "rec"}
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,33 +14,6 @@ import trainlib
 from ray_resilient import list_checkpoints
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
-
-JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # 24 steps
-
-
-def job_config(record_dir, faults: str = "") -> dict:
-    os.makedirs(record_dir, exist_ok=True)
-    return {**JOB, "record_dir": str(record_dir), "faults": faults}
-
-
-def final_weights(record_dir) -> dict[str, torch.Tensor]:
-    return torch.load(os.path.join(record_dir, "final_weights.pt"))
-
-
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs"
-
-
-@pytest.fixture(scope="session")
-def reference(ray_cluster, tmp_path_factory):
-    """An uninterrupted run: its final weights and consumed samples are what every resumed run must match."""
-    root = tmp_path_factory.mktemp("reference")
-    result = trainlib.run_job(trainlib.train_fn, job_config(root / "rec"), str(root / "storage"), "reference")
-    assert result.error is None
-    return {"dir": root, "result": result, "record": root / "rec"}
-
 
 def test_uninterrupted_run_registers_complete_checkpoints_and_keeps_num_to_keep(reference):
     result = reference["result"]
@@ -57,7 +29,7 @@ def test_sigkilled_workers_resume_bitwise_identical(reference, tmp_path):
     # Rank 1 dies mid-interval; later rank 0 dies after checkpoint 20 is durable but before
     # Ray registered it (registration happens at the next save).
     record = tmp_path / "rec"
-    result = trainlib.run_job(trainlib.train_fn, job_config(record, "kill:step=12:rank=1;kill:durable=20"),
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, "kill:step=12:rank=1;kill:durable=20"),
                               str(tmp_path / "storage"), "killed")
     assert result.error is None
     attempts = trainlib.read_attempts(str(record))
@@ -67,7 +39,7 @@ def test_sigkilled_workers_resume_bitwise_identical(reference, tmp_path):
     # have processed the earlier registrations: its controller drains reports every poll).
     registered = attempts[2]["registered"]
     assert registered is None or int(registered.rsplit("/", 1)[-1].split("_")[1]) < 20
-    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
     for rank in (0, 1):
         assert trainlib.consumed_samples(str(record), rank) == trainlib.consumed_samples(str(reference["record"]), rank)
 
@@ -75,7 +47,7 @@ def test_sigkilled_workers_resume_bitwise_identical(reference, tmp_path):
 def test_sigkill_during_upload_skips_then_collects_the_partial_checkpoint(reference, tmp_path):
     record = tmp_path / "rec"
     storage = tmp_path / "storage"
-    result = trainlib.run_job(trainlib.train_fn, job_config(record, "kill:upload=10:rank=1"), str(storage), "upload",
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, "kill:upload=10:rank=1"), str(storage), "upload",
                               num_to_keep=None)
     assert result.error is None
     attempts = trainlib.read_attempts(str(record))
@@ -85,20 +57,20 @@ def test_sigkill_during_upload_skips_then_collects_the_partial_checkpoint(refere
     # replaced by the recomputed one of the second attempt.
     assert [(c.step, c.attempt) for c in checkpoints] == [(5, 0), (10, 1), (15, 1), (20, 1), (24, 1)]
     assert all(c.complete for c in checkpoints)
-    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
 def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, tmp_path):
     record = tmp_path / "rec"
     storage = tmp_path / "storage"
-    result = trainlib.run_job(trainlib.train_fn, job_config(record, "fail_write:upload=10:rank=1"), str(storage),
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, "fail_write:upload=10:rank=1"), str(storage),
                               "failing", num_to_keep=None)
     assert result.error is None
     assert result.metrics["checkpoint_failed_saves"] == 1
     assert len(trainlib.read_attempts(str(record))) == 1  # no restart
     steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "failing"))]
     assert steps == [5, 15, 20, 24]  # 10 failed, was never complete, and was collected
-    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
 def test_partial_checkpoints_only_start_fresh(reference, tmp_path):
@@ -108,10 +80,10 @@ def test_partial_checkpoints_only_start_fresh(reference, tmp_path):
         partial.mkdir(parents=True)
         (partial / "__0_0.distcp").write_bytes(b"half-written")
     record = tmp_path / "rec"
-    result = trainlib.run_job(trainlib.train_fn, job_config(record), str(storage), "partial")
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record), str(storage), "partial")
     assert result.error is None
     assert trainlib.read_attempts(str(record))[0]["restored_step"] == 0
-    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
     steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "partial"))]
     assert 5 not in steps and 10 not in {s for s in steps if s < 20}  # partial dirs were collected
 
@@ -139,7 +111,7 @@ def _load_snapshots(record, phase: str, ranks: int) -> list[dict]:
 
 
 def _assert_same_state(saved: dict, restored: dict) -> None:
-    assert_same_weights(saved["model"], restored["model"])
+    trainlib.assert_same_weights(saved["model"], restored["model"])
     assert saved["optimizer"]["param_groups"] == restored["optimizer"]["param_groups"]
     for name, per_param in saved["optimizer"]["state"].items():
         for key, value in per_param.items():
@@ -178,7 +150,7 @@ def test_s3_storage_saves_through_local_disk_and_survives_a_sigkill(reference, s
     fs = s3_server.filesystem()
     record = tmp_path / "rec"
     storage_path = f"{s3_server.bucket}/checkpoint-test"
-    result = trainlib.run_job(trainlib.train_fn, job_config(record, "kill:upload=10:rank=1"), storage_path, "s3run",
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, "kill:upload=10:rank=1"), storage_path, "s3run",
                               storage_filesystem=fs, num_to_keep=None)
     assert result.error is None
     assert result.checkpoint.filesystem.type_name == "s3"
@@ -186,4 +158,4 @@ def test_s3_storage_saves_through_local_disk_and_survives_a_sigkill(reference, s
     checkpoints = list_checkpoints(fs, f"{storage_path}/s3run")
     assert [(c.step, c.attempt) for c in checkpoints] == [(5, 0), (10, 1), (15, 1), (20, 1), (24, 1)]
     assert all(c.complete for c in checkpoints)
-    assert_same_weights(final_weights(record), final_weights(reference["record"]))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))

@@ -24,21 +24,97 @@ from train_ddp import CLASSES, FEATURES, SyntheticBatches
 from ray_resilient import CheckpointManager
 
 
-def record_attempt(record_dir: str, rank: int, world: int, restored_step: int, registered) -> None:
-    """What this attempt restored, and what Ray had registered when it started."""
-    with open(os.path.join(record_dir, f"attempt-rank{rank}-pid{os.getpid()}.json"), "w") as out:
-        json.dump({"restored_step": restored_step, "world_size": world,
-                   "registered": registered.path if registered else None}, out)
+JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # train_fn: 24 steps
+
+
+def job_config(record_dir, faults: str = "", **overrides: Any) -> dict[str, Any]:
+    """``train_fn``'s config recording into ``record_dir``."""
+    os.makedirs(record_dir, exist_ok=True)
+    return {**JOB, "record_dir": str(record_dir), "faults": faults, **overrides}
+
+
+def final_weights(record_dir) -> dict[str, torch.Tensor]:
+    return torch.load(os.path.join(record_dir, "final_weights.pt"))
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+class AttemptRecorder:
+    """What one attempt of a run restored and trained on, per rank, in files a test reads afterwards.
+
+    The ranks of an attempt share an id (rank 0's clock, broadcast), which orders the attempts.
+    """
+
+    def __init__(self, record_dir: str, restored_step: int, registered) -> None:
+        ctx = ray.train.get_context()
+        self.rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        attempt = [time.time_ns()]
+        torch.distributed.broadcast_object_list(attempt, src=0)
+        self.attempt = attempt[0]
+        with open(os.path.join(record_dir, f"attempt-rank{self.rank}-{self.attempt}.json"), "w") as out:
+            json.dump({"attempt": self.attempt, "restored_step": restored_step, "world_size": world,
+                       "registered": registered.path if registered else None, "pid": os.getpid(),
+                       "node_id": ray.get_runtime_context().get_node_id()}, out)
+        self._log = open(os.path.join(record_dir, f"samples-rank{self.rank}-{self.attempt}.jsonl"), "w")
+
+    def step(self, step: int, ids: torch.Tensor, loss: torch.Tensor) -> None:
+        self._log.write(json.dumps({"step": step, "ids": ids.tolist(), "loss": loss.item()}) + "\n")
+        self._log.flush()
+
+
+def _attempt_of(name: str) -> int:
+    return int(name.rsplit("-", 1)[1].split(".")[0])
 
 
 def read_attempts(record_dir: str, rank: int = 0) -> list[dict[str, Any]]:
     """Every attempt's record for ``rank``, in start order."""
-    paths = [os.path.join(record_dir, n) for n in os.listdir(record_dir) if n.startswith(f"attempt-rank{rank}-")]
+    names = sorted((n for n in os.listdir(record_dir) if n.startswith(f"attempt-rank{rank}-")), key=_attempt_of)
     records = []
-    for path in sorted(paths, key=os.path.getmtime):
-        with open(path) as f:
+    for name in names:
+        with open(os.path.join(record_dir, name)) as f:
             records.append(json.load(f))
     return records
+
+
+def _steps(record_dir: str, rank: int) -> dict[int, tuple[int, dict[str, Any]]]:
+    """Step -> (attempt, record) of what ``rank`` trained on, as kept: a recomputed step's last attempt wins."""
+    names = sorted((n for n in os.listdir(record_dir) if n.startswith(f"samples-rank{rank}-")), key=_attempt_of)
+    steps: dict[int, tuple[int, dict[str, Any]]] = {}
+    for name in names:
+        with open(os.path.join(record_dir, name)) as f:
+            for line in f:
+                record = json.loads(line)
+                steps[record["step"]] = (_attempt_of(name), record)
+    return steps
+
+
+def consumed_samples(record_dir: str, rank: int) -> dict[int, list[int]]:
+    """Step -> sample ids this rank trained on, as kept."""
+    return {step: record["ids"] for step, (_, record) in _steps(record_dir, rank).items()}
+
+
+def kept_global_batches(record_dir: str) -> dict[int, list[int]]:
+    """Step -> the global batch trained on (every rank's ids, in rank order), as kept.
+
+    Ranks can change between attempts (an elastic resize): a step's batch is taken from the
+    last attempt that trained it, on all of that attempt's ranks.
+    """
+    world = max(a["world_size"] for a in read_attempts(record_dir))
+    per_rank = [_steps(record_dir, rank) for rank in range(world)]
+    batches = {}
+    for step, (attempt, _) in per_rank[0].items():
+        batches[step] = [i for steps in per_rank if step in steps and steps[step][0] == attempt
+                         for i in steps[step][1]["ids"]]
+    return batches
+
+
+def kept_losses(record_dir: str) -> dict[int, float]:
+    """Step -> rank 0's loss, as kept."""
+    return {step: record["loss"] for step, (_, record) in _steps(record_dir, 0).items()}
 
 
 def build_model(seed: int) -> torch.nn.Module:
@@ -65,8 +141,7 @@ def train_fn(config: dict[str, Any]) -> None:
                            seed=seed, faults=config.get("faults", "")) as ckpt:
         registered = ray.train.get_checkpoint()
         state = ckpt.restore()
-        record_attempt(config["record_dir"], rank, world, state.step, registered)
-        attempt_log = open(os.path.join(config["record_dir"], f"samples-rank{rank}-pid{os.getpid()}.jsonl"), "w")
+        recorder = AttemptRecorder(config["record_dir"], state.step, registered)
         for epoch in range(state.epoch, config["epochs"]):
             for ids, x, y in data:
                 # Dropout-like randomness from the restored RNG: a resume that lost RNG state diverges.
@@ -76,8 +151,8 @@ def train_fn(config: dict[str, Any]) -> None:
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
-                attempt_log.write(json.dumps({"step": ckpt.train_state.step + 1, "ids": ids.tolist()}) + "\n")
-                attempt_log.flush()
+                recorder.step(ckpt.train_state.step + 1, ids, loss)
+                time.sleep(config.get("step_seconds", 0.0))  # emulated accelerator compute
                 ckpt.step_completed(data.epoch, {"loss": loss.item()})
         ckpt.finish({"loss": loss.item()})
     if rank == 0:
@@ -176,18 +251,6 @@ def run_job(
     return trainer.fit()
 
 
-def consumed_samples(record_dir: str, rank: int) -> dict[int, list[int]]:
-    """Step -> sample ids this rank trained on, as kept: a recomputed step's last record wins."""
-    paths = [os.path.join(record_dir, n) for n in os.listdir(record_dir) if n.startswith(f"samples-rank{rank}-")]
-    steps: dict[int, list[int]] = {}
-    for path in sorted(paths, key=os.path.getmtime):
-        with open(path) as f:
-            for line in f:
-                record = json.loads(line)
-                steps[record["step"]] = record["ids"]
-    return steps
-
-
 EMULATED_STEP_SECONDS = 0.02
 
 
@@ -234,16 +297,14 @@ def image_train_fn(config: dict[str, Any]) -> None:
     with CheckpointManager(model, optimizer, data=loader, interval_steps=config["interval"], seed=config["seed"],
                            faults=config["faults"]) as ckpt:
         state = ckpt.restore()
-        record_attempt(config["record_dir"], rank, world, state.step, None)
-        log = open(os.path.join(config["record_dir"], f"samples-rank{rank}-pid{os.getpid()}.jsonl"), "w")
+        recorder = AttemptRecorder(config["record_dir"], state.step, None)
         while loader.epoch < config["epochs"]:
             for batch in loader:
                 loss = torch.nn.functional.cross_entropy(model(batch.images), batch.labels)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                log.write(json.dumps({"step": ckpt.train_state.step + 1, "ids": batch.sample_ids.tolist()}) + "\n")
-                log.flush()
+                recorder.step(ckpt.train_state.step + 1, batch.sample_ids, loss)
                 ckpt.step_completed(loader.epoch, {"loss": loss.item()})
         ckpt.finish()
     if rank == 0:

@@ -1,0 +1,148 @@
+"""A multi-node Ray cluster on one machine: a head and worker nodes, each its own ``ray start`` processes.
+
+Every node runs ``ray start --block`` in a process group of its own, so a node can be lost for
+real (:meth:`LocalNode.kill` SIGKILLs every process of it, the raylet included) and the cluster
+is stopped without touching other Ray processes on the machine (``ray stop`` would stop them all).
+Nodes join one at a time: raylets starting together can race for the same port.
+
+The head runs with fast node-failure detection (:data:`FAST_NODE_FAILURE_DETECTION`): the GCS
+declares a node dead after about 3 s without a heartbeat instead of about 15 s, which is how long
+the resources of a lost node otherwise still look available to a restarting job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# GCS health checks of the raylets (Ray's defaults: every 3 s, dead after 5 misses).
+FAST_NODE_FAILURE_DETECTION = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+_POLL_SECONDS = 0.2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalNode:
+    """One node's ``ray start --block`` process (the leader of the node's process group)."""
+
+    process: subprocess.Popen
+    cpus: int
+    node_id: str = ""
+
+    def kill(self) -> None:
+        """SIGKILL every process of the node, as a lost machine would: nothing shuts down cleanly."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def stop(self, timeout: float = 5) -> None:
+        """Stop the node (SIGTERM to its group; SIGKILL after ``timeout``)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=timeout)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@dataclass
+class LocalRayCluster:
+    """A head node (``head_cpus`` CPUs, no dashboard) on loopback plus the nodes :meth:`add_node` adds.
+
+    Token authentication is off (loopback only). Use as a context manager, or call
+    :meth:`start` and :meth:`stop`. ``env`` is the environment of every node and of drivers
+    that connect (:attr:`address`).
+    """
+
+    temp_dir: Path
+    head_cpus: int = 0
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    nodes: list[LocalNode] = field(default_factory=list)
+    address: str = ""
+
+    def __post_init__(self) -> None:
+        self.env = {**self.env, **FAST_NODE_FAILURE_DETECTION, "RAY_AUTH_MODE": "disabled"}
+        self.env.pop("RAY_ADDRESS", None)
+
+    def __enter__(self) -> "LocalRayCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 60) -> None:
+        port = _free_port()
+        self.address = f"127.0.0.1:{port}"
+        self._start_node(timeout, "--head", f"--port={port}", f"--num-cpus={self.head_cpus}",
+                         "--include-dashboard=false", f"--temp-dir={self.temp_dir}", "--disable-usage-stats")
+
+    def add_node(self, cpus: int, timeout: float = 60) -> LocalNode:
+        """Start a worker node with ``cpus`` CPUs and wait until the cluster counts it alive."""
+        return self._start_node(timeout, f"--address={self.address}", f"--num-cpus={cpus}", cpus=cpus)
+
+    def _start_node(self, timeout: float, *args: str, cpus: int | None = None) -> LocalNode:
+        known = {n.node_id for n in self.nodes}
+        ray_cli = str(Path(sys.executable).with_name("ray"))
+        log = open(self.temp_dir / f"node-{len(self.nodes)}.log", "w")
+        process = subprocess.Popen([ray_cli, "start", "--block", "--node-ip-address=127.0.0.1", *args],
+                                   env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        node = LocalNode(process, self.head_cpus if cpus is None else cpus)
+        self.nodes.append(node)
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"`ray start {' '.join(args)}` exited; see {log.name}")
+            new = [node_id for node_id in self._alive_node_ids() if node_id not in known]
+            if new:
+                node.node_id = new[0]
+                return node
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the node of `ray start {' '.join(args)}` did not join within {timeout}s")
+            time.sleep(_POLL_SECONDS)
+
+    def _alive_node_ids(self) -> list[str]:
+        if not self.address:
+            return []
+        from ray._raylet import GcsClient
+
+        try:
+            nodes = GcsClient(address=self.address).get_all_node_info(timeout=5)
+        except Exception:  # the GCS is still starting
+            return []
+        return [info.node_id.hex() for info in nodes.values() if info.state == 0]  # 0: ALIVE
+
+    def alive_nodes(self) -> list[LocalNode]:
+        """The nodes the GCS counts alive (a killed node stays until its health checks fail)."""
+        alive = set(self._alive_node_ids())
+        return [n for n in self.nodes if n.node_id in alive]
+
+    def ray(self, *args: str) -> subprocess.CompletedProcess:
+        """Run the ``ray`` CLI against this cluster's environment (e.g. ``drain-node``); raises on failure."""
+        ray_cli = str(Path(sys.executable).with_name("ray"))
+        return subprocess.run([ray_cli, *args], env=self.env, capture_output=True, text=True, timeout=120, check=True)
+
+    def stop(self) -> None:
+        """Stop the worker nodes, then the head."""
+        for node in reversed(self.nodes):
+            node.stop()
+        self.nodes.clear()
