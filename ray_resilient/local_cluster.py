@@ -68,7 +68,8 @@ class LocalRayCluster:
     """A head node (``head_cpus`` CPUs, no dashboard) on loopback plus the nodes :meth:`add_node` adds.
 
     Token authentication is off (loopback only). Use as a context manager, or call
-    :meth:`start` and :meth:`stop`. ``env`` is the environment of every node and of drivers
+    :meth:`start` and :meth:`stop`. Keep ``temp_dir`` short: Ray's socket paths under it must
+    fit in 107 characters. ``env`` is the environment of every node and of drivers
     that connect (:attr:`address`).
     """
 
@@ -90,6 +91,7 @@ class LocalRayCluster:
         self.stop()
 
     def start(self, timeout: float = 60) -> None:
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         self.address = f"127.0.0.1:{port}"
         self._start_node(timeout, "--head", f"--port={port}", f"--num-cpus={self.head_cpus}",

@@ -45,7 +45,6 @@ import pyarrow.fs as pafs
 from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError
 
 from ray_resilient.checkpoint.layout import list_checkpoints
-from ray_resilient.data.volume import open_filesystem
 
 RECOMMENDED_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
@@ -87,7 +86,9 @@ class ResilientRayConfig:
             run = self.run_config
             if run.storage_filesystem is not None:
                 filesystem, root = run.storage_filesystem, run.storage_path.rstrip("/")
-            else:
+            else:  # imported here: the data package (torchvision, MLflow) is not needed to train
+                from ray_resilient.data.volume import open_filesystem
+
                 filesystem, root = open_filesystem(run.storage_path)
             complete = [c for c in list_checkpoints(filesystem, f"{root}/{run.name}") if c.complete]
             kept = (f"the newest complete checkpoint is {complete[-1].path} (step {complete[-1].step})" if complete

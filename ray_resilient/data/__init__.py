@@ -6,6 +6,7 @@ from ray_resilient.data.dataset import (
     CorruptSampleError,
     StreamingVolumeDataset,
     VolumeImageDataset,
+    default_cache_dir,
     default_transform,
 )
 from ray_resilient.data.loader import VolumeDataLoader, default_num_workers
@@ -26,6 +27,7 @@ __all__ = [
     "VolumeError",
     "VolumeFile",
     "VolumeImageDataset",
+    "default_cache_dir",
     "default_num_workers",
     "default_transform",
 ]

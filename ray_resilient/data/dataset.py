@@ -8,10 +8,12 @@ so it does not depend on which rank or worker processed it.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import multiprocessing
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -49,6 +51,16 @@ class WorkerBatch(NamedTuple):
     skipped: int
 
 
+def default_cache_dir(volume: Volume) -> str:
+    """``$TMPDIR/ray-resilient/cache/<digest of the volume URI>``: one directory per volume.
+
+    Files are cached by their path relative to the volume root, so two volumes must never share
+    a directory.
+    """
+    digest = hashlib.sha256(volume.uri.encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "ray-resilient", "cache", digest)
+
+
 def read_bytes(path: str) -> torch.Tensor:
     """A local file's bytes as a ``uint8`` tensor (half the time of ``torchvision.io.read_file``)."""
     fd = os.open(path, os.O_RDONLY)
@@ -78,7 +90,8 @@ class StreamingVolumeDataset(IterableDataset):
 
     Args:
         volume: the files (and labels).
-        cache_dir: local cache directory (shared by every process on the node).
+        cache_dir: local cache directory, shared by every process on the node (default:
+            :func:`default_cache_dir`, so a restarted job on the node finds its files).
         global_batch: samples per global batch (all ranks together).
         rank: this rank (Ray Train's world rank).
         seed: seeds the order of every epoch and every sample's augmentation.
@@ -93,7 +106,7 @@ class StreamingVolumeDataset(IterableDataset):
     def __init__(
         self,
         volume: Volume,
-        cache_dir: str,
+        cache_dir: str | None = None,
         *,
         global_batch: int,
         rank: int,
@@ -113,8 +126,9 @@ class StreamingVolumeDataset(IterableDataset):
                 f"cache_limit ({cache_limit} bytes) is smaller than the prefetch window ({prefetch_bytes} bytes): "
                 "raise cache_limit or lower prefetch_bytes"
             )
-        self.cache_dir, self.cache_limit = cache_dir, cache_limit
-        FileCache(cache_dir, cache_limit)  # fail now on an unwritable directory, and clean up a crash
+        self.cache_dir = cache_dir or default_cache_dir(volume)
+        self.cache_limit = cache_limit
+        FileCache(self.cache_dir, cache_limit)  # fail now on an unwritable directory, and clean up a crash
         self.prefetch_files, self.prefetch_bytes, self.prefetch_threads = prefetch_files, prefetch_bytes, prefetch_threads
         self.skip_corrupt = skip_corrupt
         self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
@@ -214,7 +228,7 @@ class VolumeImageDataset(StreamingVolumeDataset):
     def __init__(
         self,
         volume: Volume,
-        cache_dir: str,
+        cache_dir: str | None = None,
         *,
         global_batch: int,
         rank: int = 0,

@@ -71,7 +71,7 @@ class ParquetVolumeDataset(StreamingVolumeDataset):
     def __init__(
         self,
         volume: Volume,
-        cache_dir: str,
+        cache_dir: str | None = None,
         *,
         global_batch: int,
         rank: int = 0,
