@@ -15,7 +15,7 @@ def train_fn(config):
                                  rank=context.get_world_rank(), world_size=context.get_world_size(),
                                  transform=default_transform(32))
     loader = VolumeDataLoader(dataset)  # resumable: its position is part of every checkpoint
-    classes = len(dataset.volume.classes)
+    classes = dataset.volume.num_classes
     model = prepare_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with CheckpointManager(model, optimizer, data=loader, interval_steps=10, seed=0) as ckpt:

@@ -1,7 +1,8 @@
 """The ``ray-resilient`` command line.
 
 ``ray-resilient goodput plan`` estimates failures, lost work and goodput, and recommends a
-checkpoint interval (see :mod:`ray_resilient.goodput.planner` for the model). Each subcommand is
+checkpoint interval (see :mod:`ray_resilient.goodput.planner` for the model); ``ray-resilient
+goodput report`` prints where a run's time went and draws its timeline. Each subcommand is
 added to the parser by one ``_add_*`` function that also sets the function it runs.
 """
 
@@ -11,6 +12,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
 
 from ray_resilient.goodput.planner import (
@@ -36,12 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     goodput = commands.add_parser(
-        "goodput", help="plan checkpoint intervals and goodput", description="Goodput tools."
+        "goodput", help="report a run's goodput, plan the checkpoint interval",
+        description="Goodput: a run's breakdown from its ledger, and the checkpoint-interval planner."
     )
     goodput_commands = goodput.add_subparsers(
         dest="goodput_command", metavar="SUBCOMMAND", required=True
     )
     _add_goodput_plan(goodput_commands)
+    _add_goodput_report(goodput_commands)
     return parser
 
 
@@ -203,6 +207,56 @@ def _goodput_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         print(json.dumps(dataclasses.asdict(plan), indent=2))
     else:
         print(format_plan(plan, source))
+    return 0
+
+
+def _add_goodput_report(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "report",
+        help="where a run's time went: its goodput breakdown, and a PNG timeline",
+        description=(
+            "Print the goodput breakdown of a run from its ledger (productive, wasted, data wait, "
+            "save stall, restore, init restart, other) and draw its timeline as a PNG."
+        ),
+    )
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", help="the run directory <storage_path>/<run name> (path or URI)"
+    )
+    parser.add_argument(
+        "--png",
+        metavar="PATH",
+        help="where to draw the timeline (default ./goodput-<run name>.png; with --json, none)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the breakdown and its shares as one JSON object"
+    )
+    parser.set_defaults(run=functools.partial(_goodput_report, parser))
+
+
+def _goodput_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ray_resilient.goodput.accounting import account
+    from ray_resilient.goodput.ledger import load_events
+    from ray_resilient.goodput.report import draw_timeline, format_report
+
+    run_name = os.path.basename(args.run_dir.rstrip("/"))
+    png = args.png or (None if args.json else f"goodput-{run_name}.png")
+    try:
+        events = load_events(args.run_dir)
+        breakdown = account(events)
+        if png is not None:
+            draw_timeline(events, breakdown, png, title=run_name)
+    except ValueError as error:
+        parser.error(str(error))
+    except OSError as error:
+        parser.error(f"{args.run_dir}: {error}")
+
+    if args.json:
+        print(json.dumps(breakdown.summary() | {"shares": breakdown.shares()}, indent=2))
+        if png is not None:
+            print(f"timeline: {png}", file=sys.stderr)
+    else:
+        print(format_report(args.run_dir, breakdown))
+        print(f"\ntimeline: {png}")
     return 0
 
 

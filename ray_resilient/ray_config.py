@@ -38,6 +38,7 @@ Each choice, and why:
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,7 @@ import pyarrow.fs as pafs
 from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError
 
 from ray_resilient.checkpoint.layout import list_checkpoints
+from ray_resilient.goodput.ledger import LedgerWriter
 
 RECOMMENDED_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
@@ -75,22 +77,21 @@ class ResilientRayConfig:
         return {"scaling_config": self.scaling_config, "run_config": self.run_config}
 
     def fit(self, trainer: Any) -> Result:
-        """``trainer.fit()``; when Ray gives up on the run, a :class:`RunFailedError` that says what to do.
+        """``trainer.fit()``, recording the driver's start in the run's goodput ledger.
 
-        It names the exhausted ``max_failures``, the last error, and the newest complete checkpoint,
-        which a driver started again with the same name and storage path resumes from.
+        When Ray gives up on the run, raises :class:`RunFailedError`, which names the exhausted
+        ``max_failures``, the last error, and the newest complete checkpoint, which a driver
+        started again with the same name and storage path resumes from.
         """
+        run = self.run_config
+        filesystem, run_dir = self._run_storage()
+        ledger = LedgerWriter(filesystem, run_dir, rank=-1, local_dir=tempfile.mkdtemp(prefix="ray-resilient-driver-"))
+        ledger.record("job_start")
+        ledger.close()
         try:
             return trainer.fit()
         except TrainingFailedError as err:
-            run = self.run_config
-            if run.storage_filesystem is not None:
-                filesystem, root = run.storage_filesystem, run.storage_path.rstrip("/")
-            else:  # imported here: the data package (torchvision, MLflow) is not needed to train
-                from ray_resilient.data.volume import open_filesystem
-
-                filesystem, root = open_filesystem(run.storage_path)
-            complete = [c for c in list_checkpoints(filesystem, f"{root}/{run.name}") if c.complete]
+            complete = [c for c in list_checkpoints(filesystem, run_dir) if c.complete]
             kept = (f"the newest complete checkpoint is {complete[-1].path} (step {complete[-1].step})" if complete
                     else "no checkpoint was completed")
             first_line = str(err).strip().splitlines()[0]
@@ -99,6 +100,17 @@ class ResilientRayConfig:
                 f"({first_line} see the error below). Every committed checkpoint is kept: {kept}. Fix the cause and "
                 f"start the driver again with the same name and storage path to resume from it."
             ) from err
+
+    def _run_storage(self) -> tuple[pafs.FileSystem, str]:
+        """(filesystem, run directory) of the run."""
+        run = self.run_config
+        if run.storage_filesystem is not None:
+            return run.storage_filesystem, f"{run.storage_path.rstrip('/')}/{run.name}"
+        # imported here: the data package (torchvision, MLflow) is not needed to train
+        from ray_resilient.data.volume import open_filesystem
+
+        filesystem, root = open_filesystem(run.storage_path)
+        return filesystem, f"{root}/{run.name}"
 
 
 def recommended_ray_config(

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-import types
 
 import pytest
 
@@ -294,19 +292,6 @@ def test_cli_report_without_save_stall_says_what_to_pass(capsys):
     out = run_cli(capsys, "--mtbf-hours", "3")
     assert "pass --days" in out and "pass --save-stall" in out
     assert "interval  " not in out
-
-
-def test_cli_from_run_takes_measured_costs_and_options_override_them(capsys, monkeypatch):
-    ledger = types.ModuleType("ray_resilient.goodput.ledger")
-    ledger.measured_inputs = lambda run_dir: MeasuredInputs(save_stall_s=20, restart_s=90, step_s=2)
-    monkeypatch.setitem(sys.modules, "ray_resilient.goodput.ledger", ledger)
-    result = json.loads(run_cli(capsys, "--mtbf-hours", "3", "--from-run", "runs/x", "--json"))
-    assert (result["save_stall_s"], result["restart_s"], result["step_s"]) == (20, 90, 2)
-    assert result["recommended_interval_steps"] == round(daly_interval(20, 3 * 3600) / 2)
-    result = json.loads(
-        run_cli(capsys, "--mtbf-hours", "3", "--from-run", "x", "--restart", "1m", "--json")
-    )
-    assert (result["save_stall_s"], result["restart_s"], result["step_s"]) == (20, 60, 2)
 
 
 @pytest.mark.parametrize(

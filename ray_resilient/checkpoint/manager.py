@@ -34,6 +34,7 @@ from ray_resilient.checkpoint.state import TrainingComponents, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
 from ray_resilient.faults import FaultInjector
+from ray_resilient.goodput.recorder import GoodputRecorder, MetricsLogger
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class CheckpointManager:
         storage: where checkpoints go; defaults to the Ray run's storage.
         faults: a fault-injection plan (see :mod:`ray_resilient.faults`); defaults to the
             ``RAY_RESILIENT_FAULTS`` environment variable, normally unset (no faults).
+        goodput_logger: where rank 0 logs the run's live goodput every ``goodput_log_every``
+            steps: ``"mlflow"`` (the MLflow run of this Ray Train run, metrics ``goodput/...``),
+            a callable ``(metrics, step)``, or None. The goodput ledger itself is always kept
+            (``<run dir>/goodput``, see :mod:`ray_resilient.goodput`).
     """
 
     def __init__(
@@ -93,6 +98,8 @@ class CheckpointManager:
         preemption_check_steps: int = 10,
         storage: CheckpointStorage | None = None,
         faults: str | None = None,
+        goodput_logger: MetricsLogger | str | None = "mlflow",
+        goodput_log_every: int = 50,
     ):
         if interval_steps < 1:
             raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
@@ -107,9 +114,15 @@ class CheckpointManager:
         self.storage = storage or CheckpointStorage.from_ray_context()
         self.faults = FaultInjector.from_plan(faults, self.rank, self.storage.filesystem, self.storage.experiment_path)
         self.train_state = TrainState(world_size=self.world_size, seed=seed)
+        self.goodput = GoodputRecorder(self.storage, self.rank, self.world_size, log_every=goodput_log_every,
+                                       metrics_logger=goodput_logger)
         self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults)
+        self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
+        self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt = 0
         self._pending_metrics: dict[str, Any] = {}
+        self._pending_wall_started = 0.0
+        self._last_metrics: dict[str, Any] = {}  # the last step's, reported with the final checkpoint
         self._last_saved_step: int | None = None
         self.saved_for_preemption = False  # a just-in-time checkpoint was taken
         self.failed_saves = 0  # saves that did not become durable
@@ -118,13 +131,15 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, exc_type: Any, *exc_info: Any) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, *traceback: Any) -> None:
+        if exc is None:
             self.close()
         else:
             # Failing: registering would be a barrier the other ranks never reach; the
             # worker group is about to restart from the newest complete checkpoint anyway.
+            self.goodput.failure(exc)
             self._writer.abandon()
+            self.goodput.close()
 
     # --- restore ---------------------------------------------------------------------------
 
@@ -135,7 +150,7 @@ class CheckpointManager:
         deleted once older than a complete one); one that fails to load is skipped with a
         warning in favour of the previous complete one.
         """
-        started = time.monotonic()
+        started, wall_started = time.monotonic(), time.time()
         group = self._writer.group
         registered = ray.train.get_checkpoint()
         registered_path = registered.path if registered is not None else None
@@ -155,6 +170,7 @@ class CheckpointManager:
         if loaded is None:
             if plan.candidates or plan.partial:
                 logger.warning("No loadable complete checkpoint in %s: starting fresh", self.storage.experiment_path)
+            self._restored(wall_started)
             return self.train_state
         ckpt, saved = loaded
         self.train_state = TrainState(saved.step, saved.epoch, self.world_size, saved.seed)
@@ -166,45 +182,67 @@ class CheckpointManager:
             self._register(ckpt.path, {"step": saved.step, "epoch": saved.epoch})
         logger.info("Resuming at step %d, epoch %d (restore took %.3fs)", saved.step, saved.epoch,
                     time.monotonic() - started)
+        self._restored(wall_started)
         return self.train_state
+
+    def _restored(self, wall_started: float) -> None:
+        self.goodput.restored(wall_started, self.train_state.step)
+        self._fetch_seen = self._data_fetch_seconds()
+        self._mark = time.time()
 
     # --- training loop -----------------------------------------------------------------------
 
     def step_completed(self, epoch: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Count one finished training step; checkpoint when the interval or a preemption says so."""
+        ended = time.time()
         state = self.train_state
         state.step += 1
         state.epoch = epoch
+        fetched = self._data_fetch_seconds()
+        self._last_metrics = dict(metrics or {})
+        self.goodput.step(state.step, self._mark, ended, fetched - self._fetch_seen)
+        self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
         if state.step % self.interval_steps == 0:
             self._checkpoint(metrics or {})
         elif state.step % self.preemption_check_steps == 0 and self._preemption_imminent():
             self._checkpoint(metrics or {}, wait=True)
+        self._mark = time.time()
 
     def finish(self, metrics: Mapping[str, Any] | None = None) -> SaveResult | None:
         """Save the final state (unless just saved), wait until durable, register it with Ray.
 
-        Raises CheckpointSaveError if the final checkpoint could not be made durable.
+        The checkpoint is reported with ``metrics`` (default: the last step's) and the run's
+        goodput. Raises CheckpointSaveError if the final checkpoint could not be made durable.
         """
+        metrics = self._last_metrics if metrics is None else metrics
         if self._last_saved_step == self.train_state.step and not self._writer.in_flight:
+            self.goodput.finished(self.train_state.step)
             return None
         if self._last_saved_step == self.train_state.step:
+            self._pending_metrics.update(self.goodput.metrics())
             result = self._complete_pending()
         else:
-            result = self._checkpoint(metrics or {}, wait=True)
+            result = self._checkpoint({**metrics, **self.goodput.metrics()}, wait=True)
         if result is None or not result.ok:
             raise CheckpointSaveError(
                 f"the final checkpoint at step {self.train_state.step} failed: "
                 f"{result.error if result else 'no result'}; the newest complete checkpoint is kept"
             )
+        self.goodput.finished(self.train_state.step)
         return result
 
     def close(self) -> None:
         """Wait for the save in flight (registering it), then release the writer's resources."""
         self._complete_pending()
         self._writer.close()
+        self.goodput.close()
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _data_fetch_seconds(self) -> float:
+        """The data loader's total ``fetch_seconds`` (a VolumeDataLoader's), else 0."""
+        return float(getattr(getattr(self.components.data, "metrics", None), "fetch_seconds", 0.0))
 
     def _preemption_imminent(self) -> bool:
         if self.saved_for_preemption:
@@ -218,16 +256,19 @@ class CheckpointManager:
 
     def _checkpoint(self, metrics: Mapping[str, Any], wait: bool = False) -> SaveResult | None:
         """Start a save of the current state (after finishing the previous one)."""
-        started = time.monotonic()
+        started, wall_started = time.monotonic(), time.time()
         self._complete_pending()
         step = self.train_state.step
         state = self.components.state_to_save(self.train_state, self.rank)
         self._writer.save(state, step, checkpoint_dir_name(step, self._attempt))
         self._last_saved_step = step
         self._pending_metrics = {**metrics, "step": step, "epoch": self.train_state.epoch}
+        self._pending_wall_started = wall_started
         self.last_stall_seconds = time.monotonic() - started
         self._pending_metrics["checkpoint_stall_seconds"] = self.last_stall_seconds
-        return self._complete_pending() if wait else None
+        result = self._complete_pending() if wait else None
+        self.goodput.save(step, wall_started, time.time())
+        return result
 
     def _complete_pending(self) -> SaveResult | None:
         """Wait for the save in flight; register it with Ray if every rank made it durable."""
@@ -235,6 +276,7 @@ class CheckpointManager:
         if result is None:
             return None
         if result.ok:
+            self.goodput.durable(result.step, self._pending_wall_started + result.durable_seconds)
             self._register(result.path, {
                 **self._pending_metrics,
                 "checkpoint_stage_seconds": result.stage_seconds,
@@ -249,6 +291,7 @@ class CheckpointManager:
         return result
 
     def _register(self, path: str, metrics: Mapping[str, Any]) -> None:
+        self.goodput.registered(metrics["step"])
         checkpoint = Checkpoint(path, filesystem=self.storage.filesystem)
         ray.train.report(
             dict(metrics),

@@ -135,6 +135,15 @@ class Volume:
         return [VolumeFile(p, s, index[p.split("/", 1)[0]]) for p, s in entries], classes
 
     @property
+    def num_classes(self) -> int:
+        """The number of ImageFolder classes (0 without labels).
+
+        Use it in train functions defined in ``__main__``: cloudpickle mistakes any ``.classes``
+        attribute there for the ``torch.classes`` module and fails to pickle the function.
+        """
+        return len(self.classes)
+
+    @property
     def is_remote(self) -> bool:
         return not isinstance(self.filesystem, pafs.LocalFileSystem)
 

@@ -1,5 +1,7 @@
-"""Goodput: plan the checkpoint interval from failure rates and checkpoint costs."""
+"""Goodput: a ledger of every second of a run across restarts, and a planner for the checkpoint interval."""
 
+from ray_resilient.goodput.accounting import Breakdown, account
+from ray_resilient.goodput.ledger import LedgerWriter, measured_inputs, read_events
 from ray_resilient.goodput.planner import (
     FailureStats,
     IntervalRow,
@@ -18,6 +20,11 @@ from ray_resilient.goodput.planner import (
 )
 
 __all__ = [
+    "Breakdown",
+    "LedgerWriter",
+    "account",
+    "measured_inputs",
+    "read_events",
     "FailureStats",
     "IntervalRow",
     "MeasuredInputs",

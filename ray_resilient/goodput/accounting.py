@@ -1,0 +1,158 @@
+"""Goodput accounting: every second of a run, across restarts, from its ledger's events.
+
+The events (see :mod:`ray_resilient.goodput.ledger`) are wall-clock (``time.time()``) records
+of attempts, restores, steps, checkpoint saves and the driver's starts. The total is the wall
+time from the run's first start (the first driver's ``job_start``, else the first attempt's
+start) to its last event. It is split into parts that add up to it:
+
+- ``productive``: time in training steps whose result was kept, less their data wait.
+- ``wasted``: whole steps computed and then lost to a failure: a step is lost when a later
+  attempt restored a checkpoint older than it (so it was recomputed, its number recorded again).
+- ``data_wait``: time kept steps spent waiting for their batch (the loader's ``fetch_seconds``).
+- ``save_stall``: time the loop stopped for checkpoint saves (staging; the final save is waited for).
+- ``restore``: time loading checkpoints at the start of attempts.
+- ``init_restart``: from the run's start, or from the previous attempt's last event (the rest of
+  a killed attempt's last step included), to the attempt's first work: starting the driver and
+  the workers, building the model, failure detection, restarts.
+- ``other``: the remainder: time the loop spent outside the events (e.g. after the last step).
+
+A step's time is from the previous mark of the loop (the end of the previous step's save, or of
+the restore) to its ``step_completed``, so anything the loop does between steps (logging, a
+validation pass) counts as part of the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PARTS = ("productive", "wasted", "data_wait", "save_stall", "restore", "init_restart", "other")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One start of the workers: rank 0's events of it, in time order."""
+
+    id: str
+    events: list[dict[str, Any]]
+
+    @property
+    def start(self) -> float:
+        return self.events[0]["t"]
+
+    @property
+    def end(self) -> float:
+        return self.events[-1]["t"]
+
+    @property
+    def restored_step(self) -> int:
+        return next((e["step"] for e in self.events if e["kind"] == "restore"), 0)
+
+    @property
+    def finished(self) -> bool:
+        return any(e["kind"] == "finish" for e in self.events)
+
+    def first_work(self) -> float:
+        """When the attempt started restoring or training (its end if it never did)."""
+        return next((e["t_start"] for e in self.events if e["kind"] in ("restore", "step", "save")), self.end)
+
+
+@dataclass
+class Breakdown:
+    """Seconds of each part of a run's wall time (they add up to ``total``), and counts."""
+
+    total: float = 0.0
+    productive: float = 0.0
+    wasted: float = 0.0
+    data_wait: float = 0.0
+    save_stall: float = 0.0
+    restore: float = 0.0
+    init_restart: float = 0.0
+    other: float = 0.0
+    attempts: int = 0
+    failures: int = 0
+    steps_kept: int = 0
+    steps_recomputed: int = 0
+    kept_step_seconds: list[float] = field(default_factory=list, repr=False)
+    save_stalls: list[float] = field(default_factory=list, repr=False)
+    restarts: list[float] = field(default_factory=list, repr=False)  # init_restart + restore of each restart
+
+    @property
+    def goodput(self) -> float:
+        return self.productive / self.total if self.total > 0 else 0.0
+
+    def shares(self) -> dict[str, float]:
+        """Each part as a fraction of the total."""
+        return {part: (getattr(self, part) / self.total if self.total > 0 else 0.0) for part in PARTS}
+
+    def as_metrics(self, prefix: str = "") -> dict[str, float]:
+        """Goodput, each part's seconds and share, and the counts, as flat metrics."""
+        metrics: dict[str, float] = {f"{prefix}goodput": self.goodput, f"{prefix}total_seconds": self.total}
+        for part, share in self.shares().items():
+            metrics[f"{prefix}{part}_seconds"] = getattr(self, part)
+            if part != "productive":
+                metrics[f"{prefix}badput_{part}"] = share
+        for count in ("attempts", "failures", "steps_kept", "steps_recomputed"):
+            metrics[f"{prefix}{count}"] = getattr(self, count)
+        return metrics
+
+    def summary(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if not isinstance(v, list)} | {"goodput": self.goodput}
+
+
+def group_attempts(events: Iterable[Mapping[str, Any]]) -> tuple[list[Attempt], list[float]]:
+    """Rank 0's events grouped into attempts (in start order), and the drivers' start times."""
+    by_attempt: dict[str, list[dict[str, Any]]] = {}
+    job_starts = []
+    for event in events:
+        if event["kind"] == "job_start":
+            job_starts.append(event["t"])
+        elif event.get("rank", 0) == 0:
+            by_attempt.setdefault(event["attempt"], []).append(dict(event))
+    attempts = [Attempt(a, sorted(evs, key=lambda e: e["t"])) for a, evs in by_attempt.items()]
+    return sorted(attempts, key=lambda a: a.start), sorted(job_starts)
+
+
+def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Breakdown:
+    """The breakdown of a run's wall time from its events (up to ``now``, default the last event)."""
+    attempts, job_starts = group_attempts(events)
+    result = Breakdown()
+    if not attempts:
+        return result
+    start = min([attempts[0].start, *job_starts])
+    end = max(a.end for a in attempts) if now is None else now
+    result.total = end - start
+    result.attempts = len(attempts)
+    boundary = start
+    for index, attempt in enumerate(attempts):
+        later_restores = [a.restored_step for a in attempts[index + 1:]]
+        lost_after = min(later_restores) if later_restores else None  # steps above it were redone
+        setup = max(0.0, attempt.first_work() - boundary)
+        result.init_restart += setup
+        for event in attempt.events:
+            duration = event["t"] - event.get("t_start", event["t"])
+            if event["kind"] == "step":
+                if lost_after is not None and event["step"] > lost_after:
+                    result.wasted += duration
+                    result.steps_recomputed += 1
+                else:
+                    wait = min(event.get("data_wait", 0.0), duration)
+                    result.productive += duration - wait
+                    result.data_wait += wait
+                    result.steps_kept += 1
+                    result.kept_step_seconds.append(duration - wait)
+            elif event["kind"] == "save":
+                result.save_stall += duration
+                result.save_stalls.append(duration)
+            elif event["kind"] == "restore":
+                result.restore += duration
+                if index > 0:
+                    result.restarts.append(setup + duration)
+        if index > 0 and not any(e["kind"] == "restore" for e in attempt.events):
+            result.restarts.append(setup)
+        if index + 1 < len(attempts) and not attempt.finished:
+            result.failures += 1
+        boundary = attempt.end
+    result.other = result.total - sum(getattr(result, part) for part in PARTS if part != "other")
+    return result

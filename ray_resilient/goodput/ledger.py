@@ -1,0 +1,153 @@
+"""The goodput ledger: an append-only event log of a run in its storage, across restarts and drivers.
+
+Each process that records writes its own file, ``<run dir>/goodput/<start ns>-rank<r>-<pid>.jsonl``,
+one JSON event per line with its wall-clock time ``t`` (``time.time()``, comparable across the
+nodes of a cluster with synchronized clocks) and ``kind``. Files are never rewritten, so nothing
+another attempt or driver wrote is lost. Rank 0 records the run's progress; other ranks only add
+what rank 0 cannot know (their own failures).
+
+Kinds: ``job_start`` (a driver called ``fit``), ``attempt_start`` (world size), ``restore``
+(``t_start``, restored ``step``), ``step`` (``step``, ``t_start``, ``data_wait``), ``save`` (the
+loop's stall: ``step``, ``t_start``), ``durable`` and ``registered`` (a checkpoint's ``step``),
+``failure`` (``error``), ``finish`` (``step``).
+
+Writing costs the loop one buffered ``write`` per event: on local or mounted storage the file is
+appended in place (flushed every event, so a SIGKILL loses nothing); on remote storage (S3, GCS)
+events go to a local spool file and a background thread uploads what is new every
+``upload_seconds`` as a numbered part (objects cannot be appended to), so a killed process loses at
+most that much of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from statistics import median
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from ray_resilient.goodput.accounting import account
+from ray_resilient.goodput.planner import MeasuredInputs
+
+logger = logging.getLogger(__name__)
+
+LEDGER_DIR = "goodput"
+
+
+def ledger_path(experiment_path: str) -> str:
+    return f"{experiment_path}/{LEDGER_DIR}"
+
+
+class LedgerWriter:
+    """Appends this process's events to its file in the run's ledger."""
+
+    def __init__(self, filesystem: pafs.FileSystem, experiment_path: str, rank: int, local_dir: str,
+                 upload_seconds: float = 10.0):
+        self.rank = rank
+        self.attempt = f"{time.time_ns()}-rank{rank}-{os.getpid()}"
+        self._filesystem, self._directory = filesystem, ledger_path(experiment_path)
+        self._remote = not isinstance(filesystem, pafs.LocalFileSystem)
+        filesystem.create_dir(self._directory)
+        if self._remote:
+            os.makedirs(local_dir, exist_ok=True)
+            self._path = os.path.join(local_dir, f"ledger-{self.attempt}.jsonl")
+        else:
+            self._path = f"{self._directory}/{self.attempt}.jsonl"
+        self._file = open(self._path, "a")
+        self._lock = threading.Lock()
+        self._uploaded, self._parts = 0, 0
+        self._stop = threading.Event()
+        self._uploader = None
+        if self._remote:
+            self._uploader = threading.Thread(target=self._upload_every, args=(upload_seconds,), daemon=True,
+                                              name="ray_resilient_ledger_upload")
+            self._uploader.start()
+
+    def record(self, kind: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Append one event (time ``t``, default now); returns it."""
+        event = {"t": time.time() if t is None else t, "kind": kind, "attempt": self.attempt, "rank": self.rank,
+                 **fields}
+        with self._lock:
+            self._file.write(json.dumps(event) + "\n")
+            self._file.flush()
+        return event
+
+    def _upload_every(self, seconds: float) -> None:
+        while not self._stop.wait(seconds):
+            self._upload_new()
+
+    def _upload_new(self) -> None:
+        with self._lock, open(self._path, "rb") as spool:
+            spool.seek(self._uploaded)
+            data = spool.read()
+            if not data:
+                return
+            try:
+                part = f"{self._directory}/{self.attempt}.jsonl.part{self._parts:06d}"
+                with self._filesystem.open_output_stream(part) as out:
+                    out.write(data)
+            except OSError as err:  # retried with the next upload; the ledger must not stop training
+                logger.warning("goodput ledger upload failed (%s); retrying later", err)
+                return
+            self._uploaded += len(data)
+            self._parts += 1
+
+    def close(self) -> None:
+        if self._uploader is not None:
+            self._stop.set()
+            self._uploader.join()
+            self._upload_new()
+        self._file.close()
+
+
+def read_events(filesystem: pafs.FileSystem, experiment_path: str) -> list[dict[str, Any]]:
+    """Every event of the run's ledger, in time order (empty if it has none)."""
+    selector = pafs.FileSelector(ledger_path(experiment_path), allow_not_found=True)
+    infos = sorted((i for i in filesystem.get_file_info(selector) if i.type == pafs.FileType.File),
+                   key=lambda i: i.path)
+    events = []
+    for info in infos:
+        with filesystem.open_input_stream(info.path) as stream:
+            text = stream.read().decode()
+        for line in text.splitlines():
+            if line.strip():
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:  # the last line of a process killed mid-write
+                    logger.warning("skipping a torn line in %s", info.path)
+    return sorted(events, key=lambda e: e["t"])
+
+
+def run_storage(run_dir: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path) of a run directory given as a local path or URI (``s3://...``)."""
+    from ray_resilient.data.volume import open_filesystem
+
+    return open_filesystem(run_dir)
+
+
+def load_events(run_dir: str) -> list[dict[str, Any]]:
+    """Every ledger event of the run at ``run_dir`` (a path or URI); ValueError for a run without a ledger."""
+    filesystem, path = run_storage(run_dir)
+    events = read_events(filesystem, path)
+    if not events:
+        raise ValueError(f"{run_dir} has no goodput ledger ({ledger_path(path)} is missing or empty): "
+                         "pass the run directory <storage_path>/<run name> of a ray_resilient run")
+    return events
+
+
+def measured_inputs(run_dir: str) -> MeasuredInputs:
+    """The planner's inputs measured by a run: median save stall, restart and kept step time.
+
+    The restart is the whole cost of one: from the failed attempt's last event to the restored
+    attempt's first step (detection, new workers, restore).
+    """
+    breakdown = account(load_events(run_dir))
+    return MeasuredInputs(
+        save_stall_s=median(breakdown.save_stalls) if breakdown.save_stalls else None,
+        restart_s=median(breakdown.restarts) if breakdown.restarts else None,
+        step_s=median(breakdown.kept_step_seconds) if breakdown.kept_step_seconds else None,
+    )

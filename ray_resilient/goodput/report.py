@@ -1,0 +1,127 @@
+"""The goodput report of a run: its breakdown as a table, and a PNG timeline."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts
+from ray_resilient.goodput.ledger import load_events
+
+NOTES = (
+    "wasted: steps lost to a failure and computed again (a later attempt restored an older checkpoint)",
+    "init restart: from the run's start or an attempt's end to the next attempt's first work (startup, detection)",
+)
+# Timeline bars, drawn in this order: (category, label, colour).
+BARS = (
+    ("init", "init/restart", "#a0a0a0"),
+    ("restore", "restore", "#1f77b4"),
+    ("kept", "step (kept)", "#2ca02c"),
+    ("data_wait", "data wait (kept step)", "#f2c14e"),
+    ("wasted", "step (wasted)", "#d62728"),
+    ("save", "save stall", "#9467bd"),
+)
+
+
+def render_report(run_dir: str, png_path: str | None) -> str:
+    """The text report of the run at ``run_dir``; draws its timeline to ``png_path`` if given."""
+    events = load_events(run_dir)
+    breakdown = account(events)
+    if png_path is not None:
+        draw_timeline(events, breakdown, png_path, title=run_dir.rstrip("/").rsplit("/", 1)[-1])
+    return format_report(run_dir, breakdown)
+
+
+def format_report(run_dir: str, breakdown: Breakdown) -> str:
+    """The counts, the goodput and a table of each part's seconds and share of the total."""
+    lines = [f"goodput report of {run_dir}"]
+    counts = [("attempts", str(breakdown.attempts)), ("failures", str(breakdown.failures)),
+              ("steps kept", str(breakdown.steps_kept)), ("steps recomputed", str(breakdown.steps_recomputed)),
+              ("goodput", f"{breakdown.goodput:.1%}")]
+    width = max(len(label) for label, _ in counts)
+    lines += [f"  {label.ljust(width)}  {value}" for label, value in counts]
+    shares = breakdown.shares()
+    table = [("part", "seconds", "share")]
+    table += [(part.replace("_", " "), f"{getattr(breakdown, part):.1f}", f"{shares[part]:.1%}") for part in PARTS]
+    table.append(("total", f"{breakdown.total:.1f}", f"{1 if breakdown.total > 0 else 0:.1%}"))
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    lines.append("")
+    for name, seconds, share in table:
+        lines.append(f"  {name.ljust(widths[0])}  {seconds.rjust(widths[1])}  {share.rjust(widths[2])}")
+    lines += ["", *(f"  {note}" for note in NOTES)]
+    return "\n".join(lines)
+
+
+def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: str, title: str) -> None:
+    """A PNG of the run: one lane per attempt, its bars, checkpoints and failures over time."""
+    attempts, job_starts = group_attempts(events)
+    start = min([a.start for a in attempts[:1]] + job_starts)
+    bars: list[dict[str, list[tuple[float, float]]]] = [defaultdict(list) for _ in attempts]
+    marks: dict[str, list[tuple[float, int]]] = defaultdict(list)  # kind -> (seconds, lane)
+    boundary = start
+    for lane, attempt in enumerate(attempts):
+        later_restores = [a.restored_step for a in attempts[lane + 1:]]
+        lost_after = min(later_restores) if later_restores else None  # the same rule as account()
+        bars[lane]["init"].append((boundary - start, max(0.0, attempt.first_work() - boundary)))
+        for event in attempt.events:
+            t0, duration = event.get("t_start", event["t"]) - start, event["t"] - event.get("t_start", event["t"])
+            if event["kind"] == "step":
+                if lost_after is not None and event["step"] > lost_after:
+                    bars[lane]["wasted"].append((t0, duration))
+                else:
+                    wait = min(event.get("data_wait", 0.0), duration)
+                    if wait > 0:
+                        bars[lane]["data_wait"].append((t0, wait))
+                    bars[lane]["kept"].append((t0 + wait, duration - wait))
+            elif event["kind"] in ("restore", "save"):
+                bars[lane][event["kind"]].append((t0, duration))
+            elif event["kind"] in ("durable", "registered"):
+                marks[event["kind"]].append((t0, lane))
+        if lane + 1 < len(attempts) and not attempt.finished:
+            marks["failure"].append((attempt.end - start, lane))
+        boundary = attempt.end
+    for event in events:  # any rank's: placed in the lane of the attempt running at the time
+        if event["kind"] == "failure" and attempts:
+            lane = max([i for i, a in enumerate(attempts) if a.start <= event["t"]], default=0)
+            marks["failure"].append((event["t"] - start, lane))
+
+    figure = Figure(figsize=(14, 1.8 + 0.6 * max(1, len(attempts))), dpi=120, layout="constrained")
+    axes = figure.add_subplot()
+    for lane, lane_bars in enumerate(bars):
+        for category, _, colour in BARS:
+            if lane_bars[category]:
+                axes.broken_barh(lane_bars[category], (lane - 0.25, 0.5), facecolors=colour, linewidth=0)
+    for kind, marker, offset, colour, size in (("durable", "^", 0.36, "#333333", 30),
+                                               ("registered", "v", -0.36, "#1f77b4", 30),
+                                               ("failure", "X", 0.0, "#d62728", 120)):
+        if marks[kind]:
+            xs, lanes = zip(*marks[kind])
+            axes.scatter(xs, [y + offset for y in lanes], marker=marker, s=size, c=colour, edgecolors="black",
+                         linewidths=0.6, zorder=3)
+    for t in job_starts:
+        axes.axvline(t - start, color="black", linestyle="--", linewidth=1)
+    axes.set_yticks(range(len(attempts)), [_lane_label(i, a) for i, a in enumerate(attempts)])
+    axes.set_ylim(max(1, len(attempts)) - 0.5, -0.5)
+    axes.set_xlim(0, max(breakdown.total, 1.0) * 1.01)
+    axes.set_xlabel("seconds since the run's start")
+    axes.grid(axis="x", alpha=0.3)
+    shares = "  ".join(f"{part.replace('_', ' ')} {share:.1%}" for part, share in breakdown.shares().items())
+    axes.set_title(f"{title}: goodput {breakdown.goodput:.1%}\n{shares}", fontsize=10)
+    handles = [Patch(color=colour, label=label) for _, label, colour in BARS] + [
+        Line2D([], [], marker="^", color="#333333", linestyle="", label="durable checkpoint"),
+        Line2D([], [], marker="v", color="#1f77b4", linestyle="", label="registered checkpoint"),
+        Line2D([], [], marker="X", color="#d62728", markeredgecolor="black", linestyle="", markersize=9,
+               label="failure"),
+        Line2D([], [], color="black", linestyle="--", label="driver start"),
+    ]
+    figure.legend(handles=handles, loc="outside lower center", ncol=5, fontsize=8, frameon=False)
+    figure.savefig(png_path)
+
+
+def _lane_label(index: int, attempt: Attempt) -> str:
+    world_size = next((e.get("world_size", "?") for e in attempt.events if e["kind"] == "attempt_start"), "?")
+    return f"attempt {index + 1}\nworld size {world_size}, from step {attempt.restored_step}"

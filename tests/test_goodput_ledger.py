@@ -1,0 +1,173 @@
+"""The goodput ledger and its accounting, on event streams whose answers are computed by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.fs as pafs
+import pytest
+
+from ray_resilient.goodput import LedgerWriter, account, measured_inputs, read_events
+from ray_resilient.goodput.report import render_report
+
+
+def write_run(filesystem: pafs.FileSystem, run_dir: str, local_dir: str) -> None:
+    """Driver 1 starts at 0 s. Attempt A restores nothing, trains steps 1-4 (checkpoint at 2) and
+    is killed. Attempt B restores step 2, recomputes 3-4, checkpoints 4; then the driver dies.
+    Driver 2 starts at 20 s; attempt C restores step 4, trains step 5, saves it, finishes at 26 s."""
+    def writer(rank: int = 0) -> LedgerWriter:
+        return LedgerWriter(filesystem, run_dir, rank, local_dir, upload_seconds=0.05)
+
+    driver = writer(rank=-1)
+    driver.record("job_start", t=0.0)
+    driver.close()
+    a = writer()
+    a.record("attempt_start", t=2.0, world_size=2)
+    a.record("restore", t=4.0, t_start=3.0, step=0)
+    a.record("step", t=5.0, t_start=4.0, step=1, data_wait=0.2)
+    a.record("step", t=6.0, t_start=5.0, step=2, data_wait=0.0)
+    a.record("save", t=6.5, t_start=6.0, step=2)
+    a.record("step", t=7.5, t_start=6.5, step=3, data_wait=0.0)
+    a.record("durable", t=7.6, step=2)
+    a.record("step", t=8.5, t_start=7.5, step=4, data_wait=0.0)
+    a.close()
+    b = writer()
+    b.record("attempt_start", t=12.0, world_size=1)
+    b.record("restore", t=14.0, t_start=13.0, step=2)
+    b.record("step", t=15.0, t_start=14.0, step=3, data_wait=0.0)
+    b.record("step", t=16.0, t_start=15.0, step=4, data_wait=0.0)
+    b.record("save", t=16.5, t_start=16.0, step=4)
+    b.close()
+    b_rank1 = writer(rank=1)
+    b_rank1.record("failure", t=16.6, error="RuntimeError: connection reset")
+    b_rank1.close()
+    driver = writer(rank=-1)
+    driver.record("job_start", t=20.0)
+    driver.close()
+    c = writer()
+    c.record("attempt_start", t=22.0, world_size=2)
+    c.record("restore", t=23.5, t_start=23.0, step=4)
+    c.record("step", t=24.5, t_start=23.5, step=5, data_wait=0.5)
+    c.record("save", t=25.0, t_start=24.5, step=5)
+    c.record("finish", t=26.0, step=5)
+    c.close()
+
+
+HAND_COMPUTED = {
+    "total": 26.0,
+    "productive": (1 - 0.2) + 1 + 1 + 1 + (1 - 0.5),  # A's steps 1-2, B's 3-4, C's 5, less data waits
+    "wasted": 2.0,  # A's steps 3 and 4: B restored step 2 and trained them again
+    "data_wait": 0.2 + 0.5,
+    "save_stall": 0.5 * 3,
+    "restore": 1.0 + 1.0 + 0.5,
+    "init_restart": (3 - 0) + (13 - 8.5) + (23 - 16.5),  # to each attempt's first work
+    "other": 26 - 25,  # C: from the end of its last save to its finish
+}
+
+
+@pytest.fixture
+def local_run(tmp_path):
+    run_dir = str(tmp_path / "runs" / "r")
+    write_run(pafs.LocalFileSystem(), run_dir, str(tmp_path / "spool"))
+    return run_dir
+
+
+def test_breakdown_of_a_run_with_a_failure_recomputed_steps_and_a_driver_rerun(local_run):
+    breakdown = account(read_events(pafs.LocalFileSystem(), local_run))
+    for part, seconds in HAND_COMPUTED.items():
+        assert getattr(breakdown, part) == pytest.approx(seconds), part
+    assert sum(HAND_COMPUTED[p] for p in HAND_COMPUTED if p != "total") == pytest.approx(26.0)
+    assert breakdown.goodput == pytest.approx(4.3 / 26)
+    assert (breakdown.attempts, breakdown.failures, breakdown.steps_kept, breakdown.steps_recomputed) == (3, 2, 5, 2)
+
+
+def test_measured_inputs_are_the_medians_of_the_run(local_run):
+    measured = measured_inputs(local_run)
+    assert measured.save_stall_s == pytest.approx(0.5)
+    assert measured.restart_s == pytest.approx(((13 - 8.5) + 1 + (23 - 16.5) + 0.5) / 2)  # median of 5.5 and 7
+    assert measured.step_s == pytest.approx(1.0)  # kept steps less data wait: 0.8, 1, 1, 1, 0.5
+
+
+def test_a_run_without_a_ledger_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="has no goodput ledger"):
+        measured_inputs(str(tmp_path))
+
+
+def test_a_torn_last_line_is_skipped(local_run):
+    files = sorted(pafs.LocalFileSystem().get_file_info(pafs.FileSelector(f"{local_run}/goodput")), key=lambda i: i.path)
+    with open(files[-1].path, "a") as f:
+        f.write('{"t": 27.0, "kind": "st')  # a process killed in the middle of a write
+    assert account(read_events(pafs.LocalFileSystem(), local_run)).total == pytest.approx(26.0)
+
+
+def test_remote_ledger_uploads_parts_and_reads_back_the_same(s3_server, tmp_path):
+    fs = s3_server.filesystem()
+    run_dir = f"{s3_server.bucket}/ledger-test/r"
+    write_run(fs, run_dir, str(tmp_path / "spool"))
+    breakdown = account(read_events(fs, run_dir))
+    for part, seconds in HAND_COMPUTED.items():
+        assert getattr(breakdown, part) == pytest.approx(seconds), part
+
+
+def test_report_prints_the_breakdown_and_draws_the_timeline(local_run, tmp_path):
+    png = tmp_path / "timeline.png"
+    text = render_report(local_run, str(png))
+    assert "goodput" in text and "16.5%" in text  # 4.3 / 26
+    for part in HAND_COMPUTED:
+        assert part.replace("_", " ") in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def report_cli(capsys, *args: str) -> tuple[str, str]:
+    from ray_resilient.cli import main
+
+    assert main(["goodput", "report", *args]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def test_cli_report_json_has_the_hand_computed_breakdown(local_run, capsys, monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    out, _ = report_cli(capsys, local_run, "--json")
+    result = json.loads(out)
+    for part, seconds in HAND_COMPUTED.items():
+        assert result[part] == pytest.approx(seconds), part
+        if part != "total":
+            assert result["shares"][part] == pytest.approx(seconds / 26), part
+    assert result["goodput"] == pytest.approx(4.3 / 26)
+    assert (result["attempts"], result["failures"], result["steps_kept"], result["steps_recomputed"]) == (3, 2, 5, 2)
+    assert not list(tmp_path.glob("*.png"))  # --json draws only with --png
+
+
+def test_cli_report_draws_the_timeline_in_the_current_directory_by_default(local_run, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    out, _ = report_cli(capsys, local_run)
+    assert "16.5%" in out and "init restart" in out
+    assert "goodput-r.png" in out
+    assert (tmp_path / "goodput-r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "runs" / "r" / "goodput" / "timeline.png").exists()  # the ledger holds events only
+
+
+def test_cli_report_refuses_a_directory_without_a_ledger_naming_it(tmp_path, capsys):
+    from ray_resilient.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["goodput", "report", str(tmp_path), "--png", str(tmp_path / "t.png")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} has no goodput ledger" in err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_plan_from_run_takes_the_measured_costs_and_options_override_them(local_run, capsys):
+    from ray_resilient.cli import main
+    from ray_resilient.goodput import daly_interval
+
+    assert main(["goodput", "plan", "--mtbf-hours", "3", "--from-run", local_run, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["save_stall_s"], result["restart_s"], result["step_s"]) == pytest.approx((0.5, 6.25, 1.0))
+    assert result["recommended_interval_steps"] == round(daly_interval(0.5, 3 * 3600) / 1.0)
+    assert main(["goodput", "plan", "--mtbf-hours", "3", "--from-run", local_run, "--restart", "1m", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["restart_s"] == 60
