@@ -9,9 +9,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
+import time
 
 import pyarrow.fs as pafs
 import pytest
@@ -20,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 import trainlib
 from conftest import wait_until
+from ray_resilient.goodput.accounting import PARTS
 from ray_resilient import RunFailedError, list_checkpoints, random_kill_plan, recommended_ray_config
 from ray_resilient.local_cluster import LocalRayCluster
 from train_ddp import SyntheticBatches
@@ -198,3 +201,43 @@ def test_exhausted_max_failures_raise_a_clear_error_and_keep_every_committed_che
         state = {"model": {k: torch.empty_like(v) for k, v in model.items()}}
         dcp.load(state, checkpoint_id=checkpoint.path)
         assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wasted(tmp_path):
+    """Rank 1 is killed after step 8; the run resumes from step 5 and recomputes steps 6-8.
+
+    Wasted progress must be those 3 steps: 3 x the median kept step time, within 30% (steps
+    vary: the first ones of an attempt are slower). The parts add up to the wall time from the
+    driver's start to the final checkpoint, and the final figures reach ``Result.metrics`` and MLflow.
+    """
+    from mlflow.tracking import MlflowClient
+    from ray.train.torch import TorchTrainer
+
+    from ray_resilient.goodput import account, read_events
+    from ray_resilient.tracking import RUN_TAG
+
+    storage = tmp_path / "storage"
+    config = recommended_ray_config("ledger", str(storage), workers=2)
+    train_config = trainlib.job_config(tmp_path / "rec", "kill:step=8:rank=1", step_seconds=0.1, goodput_log_every=5)
+    driver_started = time.time()
+    result = config.fit(TorchTrainer(trainlib.train_fn, train_loop_config=train_config, **config.trainer_kwargs()))
+    fit_returned = time.time()
+    assert [a["restored_step"] for a in trainlib.read_attempts(str(tmp_path / "rec"))] == [0, 5]
+    events = read_events(pafs.LocalFileSystem(), str(storage / "ledger"))
+    breakdown = account(events)
+    step = statistics.median(breakdown.kept_step_seconds)
+    assert breakdown.steps_recomputed == 3 and breakdown.failures == 1
+    assert breakdown.wasted == pytest.approx(3 * step, rel=0.3)
+    parts = sum(getattr(breakdown, part) for part in PARTS)
+    assert parts == pytest.approx(breakdown.total, abs=1e-6)
+    assert events[0]["kind"] == "job_start" and driver_started <= events[0]["t"] <= events[-1]["t"] <= fit_returned
+    assert breakdown.total == pytest.approx(events[-1]["t"] - events[0]["t"])
+    assert 0 < breakdown.goodput < 1
+    assert result.metrics["goodput"] == pytest.approx(breakdown.goodput, abs=0.05)
+    client = MlflowClient()
+    run = client.search_runs([client.get_experiment_by_name("ray_resilient").experiment_id],
+                             f"tags.`{RUN_TAG}` = 'ledger'")[0]
+    history = client.get_metric_history(run.info.run_id, "goodput/goodput")
+    assert len(history) >= 2 and all(0 < m.value < 1 for m in history)
+    assert "goodput/badput_wasted" in run.data.metrics

@@ -159,3 +159,26 @@ def test_s3_storage_saves_through_local_disk_and_survives_a_sigkill(reference, s
     assert [(c.step, c.attempt) for c in checkpoints] == [(5, 0), (10, 1), (15, 1), (20, 1), (24, 1)]
     assert all(c.complete for c in checkpoints)
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
+
+
+def test_auto_interval_is_dalys_for_the_measured_stall_and_step_time(tmp_path):
+    from statistics import median
+
+    from ray_resilient.goodput import interval_steps_for, read_events
+
+    mtbf = 3.0  # seconds: short, so the 24-step run saves several times
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "rec", interval="auto", mtbf_s=mtbf,
+                                                                     step_seconds=0.05),
+                              str(tmp_path / "storage"), "auto", num_to_keep=None)
+    assert result.error is None
+    events = [e for e in read_events(pafs.LocalFileSystem(), str(tmp_path / "storage" / "auto")) if e["rank"] == 0]
+    saves = [e for e in events if e["kind"] == "save"]
+    step_seconds = {e["step"]: e["t"] - e["t_start"] for e in events if e["kind"] == "step"}
+    assert saves[0]["step"] == 10 and saves[-1]["step"] == 24  # the first measures the stall; the final one
+    assert len(saves) >= 4
+    for save, following in zip(saves, saves[1:-1]):
+        recent = [step_seconds[s] for s in range(max(1, save["step"] - 49), save["step"] + 1)]
+        expected = interval_steps_for(mtbf, save["t"] - save["t_start"], median(recent))
+        assert abs(following["step"] - save["step"] - expected) <= 1, (save, following, expected)
+    steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "storage" / "auto"))]
+    assert steps == [s["step"] for s in saves]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+import pyarrow.fs as pafs
+
 import trainlib
-from test_checkpoint_ray import assert_same_weights, final_weights
+from ray_resilient.goodput import account, read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_cluster")]
 
@@ -28,4 +30,7 @@ def test_killed_worker_resumes_with_exactly_the_samples_of_an_uninterrupted_run(
         expected = trainlib.consumed_samples(str(reference), rank)
         assert len(expected) == 22  # 2 epochs x 11 global batches
         assert trainlib.consumed_samples(str(killed), rank) == expected
-    assert_same_weights(final_weights(killed), final_weights(reference))
+    trainlib.assert_same_weights(trainlib.final_weights(killed), trainlib.final_weights(reference))
+    # The loader's fetch_seconds reached the goodput ledger as the steps' data wait.
+    breakdown = account(read_events(pafs.LocalFileSystem(), str(tmp_path / "killed" / "storage" / "images")))
+    assert breakdown.data_wait > 0 and breakdown.steps_kept == 22

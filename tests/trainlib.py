@@ -138,7 +138,8 @@ def train_fn(config: dict[str, Any]) -> None:
     data = SyntheticBatches(config["samples"], config["global_batch"], seed, rank, world)
     loss = torch.zeros(())
     with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
-                           seed=seed, faults=config.get("faults", "")) as ckpt:
+                           mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
+                           goodput_log_every=config.get("goodput_log_every", 50)) as ckpt:
         registered = ray.train.get_checkpoint()
         state = ckpt.restore()
         recorder = AttemptRecorder(config["record_dir"], state.step, registered)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from collections import deque
+from statistics import median
+from typing import Any, Literal, Mapping
 
 import ray.train
 import torch
@@ -34,9 +36,13 @@ from ray_resilient.checkpoint.state import TrainingComponents, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
 from ray_resilient.faults import FaultInjector
+from ray_resilient.goodput.planner import interval_steps_for
 from ray_resilient.goodput.recorder import GoodputRecorder, MetricsLogger
 
 logger = logging.getLogger(__name__)
+
+
+AUTO_FIRST_STEPS = 10  # interval_steps="auto": the first checkpoint, which measures the save stall
 
 
 class CheckpointSaveError(RuntimeError):
@@ -71,7 +77,11 @@ class CheckpointManager:
         extras: further Statefuls, identical on every rank, saved once by name.
         interval_steps: checkpoint every this many steps. Each save stalls the loop only for
             the staging copy, so short intervals are cheap; lost work per failure is about
-            half an interval.
+            half an interval. ``"auto"``: the interval that maximizes goodput for the job's
+            ``mtbf_s`` (Daly's, see :mod:`ray_resilient.goodput.planner`) from the measured
+            save stall and step time: a first checkpoint after :data:`AUTO_FIRST_STEPS` steps
+            measures the stall, and every save updates the interval from rank 0's figures.
+        mtbf_s: the job's mean time between failures in seconds (needed by ``"auto"``).
         seed: the run's seed, recorded, and used to re-derive RNG streams after a resize.
         preemption_check_steps: ask Ray for imminent preemption every this many steps and
             save a just-in-time checkpoint. Each check is a barrier across workers (a few ms).
@@ -93,7 +103,8 @@ class CheckpointManager:
         grad_scaler: Any | None = None,
         data: Stateful | None = None,
         extras: Mapping[str, Stateful] | None = None,
-        interval_steps: int = 100,
+        interval_steps: int | Literal["auto"] = 100,
+        mtbf_s: float | None = None,
         seed: int = 0,
         preemption_check_steps: int = 10,
         storage: CheckpointStorage | None = None,
@@ -101,12 +112,19 @@ class CheckpointManager:
         goodput_logger: MetricsLogger | str | None = "mlflow",
         goodput_log_every: int = 50,
     ):
-        if interval_steps < 1:
-            raise ValueError(f"interval_steps must be >= 1, got {interval_steps}")
+        if interval_steps == "auto":
+            if mtbf_s is None or mtbf_s <= 0:
+                raise ValueError(f'interval_steps="auto" needs the job\'s mtbf_s (seconds, > 0), got {mtbf_s}')
+        elif not isinstance(interval_steps, int) or interval_steps < 1:
+            raise ValueError(f'interval_steps must be an int >= 1 or "auto", got {interval_steps!r}')
         if preemption_check_steps < 1:
             raise ValueError(f"preemption_check_steps must be >= 1, got {preemption_check_steps}")
         self.components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
-        self.interval_steps = interval_steps
+        self.auto_interval = interval_steps == "auto"
+        self.interval_steps = AUTO_FIRST_STEPS if interval_steps == "auto" else interval_steps
+        self.mtbf_s = mtbf_s
+        self._next_auto_save = AUTO_FIRST_STEPS
+        self._step_seconds: deque[float] = deque(maxlen=50)  # recent step times (for "auto")
         self.preemption_check_steps = preemption_check_steps
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
@@ -186,6 +204,7 @@ class CheckpointManager:
         return self.train_state
 
     def _restored(self, wall_started: float) -> None:
+        self._next_auto_save = self.train_state.step + self.interval_steps
         self.goodput.restored(wall_started, self.train_state.step)
         self._fetch_seen = self._data_fetch_seconds()
         self._mark = time.time()
@@ -201,10 +220,13 @@ class CheckpointManager:
         fetched = self._data_fetch_seconds()
         self._last_metrics = dict(metrics or {})
         self.goodput.step(state.step, self._mark, ended, fetched - self._fetch_seen)
+        self._step_seconds.append(ended - self._mark)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
-        if state.step % self.interval_steps == 0:
+        if self._save_due(state.step):
             self._checkpoint(metrics or {})
+            if self.auto_interval:
+                self._update_auto_interval()
         elif state.step % self.preemption_check_steps == 0 and self._preemption_imminent():
             self._checkpoint(metrics or {}, wait=True)
         self._mark = time.time()
@@ -239,6 +261,24 @@ class CheckpointManager:
         self.goodput.close()
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _save_due(self, step: int) -> bool:
+        if self.auto_interval:
+            return step >= self._next_auto_save
+        return step % self.interval_steps == 0
+
+    def _update_auto_interval(self) -> None:
+        """Daly's interval from rank 0's last save stall and median step time, the same on every rank."""
+        measured = (self.last_stall_seconds, median(self._step_seconds))
+        # The training loop's group: the writer's own is busy with the save in flight on its thread.
+        world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        stall, step_seconds = broadcast_from_rank0(world, measured)
+        interval = interval_steps_for(self.mtbf_s, max(stall, 1e-6), max(step_seconds, 1e-6))
+        if interval != self.interval_steps:
+            logger.info("Checkpoint interval: %d steps (Daly's for an MTBF of %.0fs, save stall %.3fs, step %.3fs)",
+                        interval, self.mtbf_s, stall, step_seconds)
+        self.interval_steps = interval
+        self._next_auto_save = self.train_state.step + interval
 
     def _data_fetch_seconds(self) -> float:
         """The data loader's total ``fetch_seconds`` (a VolumeDataLoader's), else 0."""
