@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the main job on the embedded default: a DDP job on a local
-# Ray cluster (2 CPU workers) that checkpoints to ./runs and survives an injected worker kill.
+# Set up (scripts/setup.sh) and run the main job on the embedded default: image classification on a
+# generated JPEG dataset, on a local Ray cluster (CPU workers), checkpointing to ./runs, MLflow in
+# ~/.ray_resilient, with one worker SIGKILLed at step 30 and recovered from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python jobs/train_ddp.py --faults "kill:step=70:rank=1" "$@"
+exec .venv/bin/python jobs/train_images.py --faults "kill:step=30:rank=1" "$@"

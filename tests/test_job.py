@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -53,3 +55,37 @@ def test_quickstart_example_trains_and_resumes(image_dir, tmp_path):
     assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
     assert f"Resuming at step {final.step}" in again.stdout + again.stderr
     assert list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "runs" / "quickstart"))[-1].step == 3 * (69 // 32)
+
+
+@pytest.mark.slow
+def test_image_job_on_the_embedded_default_recovers_a_kill_and_learns(tmp_path):
+    """The main job as the README's first command runs it (smaller), then its model without Ray."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, str(REPO / "jobs" / "train_images.py"), "--ray-address", "local", "--per-class", "150",
+           "--epochs", "3", "--interval", "10", "--faults", "kill:step=15:rank=1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-5000:]
+    assert "Injecting fault kill-step-15-rank1" in log and "[attempt 2]" in log
+    result = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["val_accuracy"] >= 0.9 and 0 < result["goodput"] < 1
+    assert (tmp_path / "goodput-train_images.png").stat().st_size > 10_000
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "runs" / "train_images"))
+    assert checkpoints[-1].complete and checkpoints[-1].step == result["step"]
+    script = textwrap.dedent(f"""
+        import pathlib, sys, torch, torchvision
+        from torchvision.io import decode_image
+        from torchvision.transforms import v2
+        saved = torch.load({str(tmp_path / "runs" / "train_images" / "final_model.pt")!r})
+        model = torchvision.models.get_model(saved["model"], num_classes=len(saved["classes"]))
+        model.load_state_dict(saved["state_dict"])
+        model.eval()
+        files = sorted(pathlib.Path({str(tmp_path / "data" / "shapes" / "val")!r}).glob("*/*.jpg"))
+        images = torch.stack([v2.ToDtype(torch.float32, scale=True)(decode_image(str(f))) for f in files])
+        labels = torch.tensor([saved["classes"].index(f.parent.name) for f in files])
+        print("accuracy", (model(images).argmax(1) == labels).float().mean().item())
+        assert not any(m.split(".")[0] in ("ray", "ray_resilient") for m in sys.modules)
+    """)
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert float(loaded.stdout.split("accuracy ")[1]) >= 0.8

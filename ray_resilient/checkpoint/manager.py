@@ -144,6 +144,7 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self.saved_for_preemption = False  # a just-in-time checkpoint was taken
         self.failed_saves = 0  # saves that did not become durable
+        self.checkpoints_committed = 0  # saves of this attempt every rank made durable
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
 
     def __enter__(self) -> "CheckpointManager":
@@ -316,6 +317,7 @@ class CheckpointManager:
         if result is None:
             return None
         if result.ok:
+            self.checkpoints_committed += 1
             self.goodput.durable(result.step, self._pending_wall_started + result.durable_seconds)
             self._register(result.path, {
                 **self._pending_metrics,

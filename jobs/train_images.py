@@ -1,0 +1,250 @@
+"""Image classification from JPEG files on a volume, trained on Ray Train with everything ray_resilient offers.
+
+Async sharded checkpoints reported to Ray, automatic resume (from the newest complete checkpoint,
+data position and RNG included), elastic workers, a streaming and caching volume dataset, MLflow
+metrics (loss, accuracy, fetch_seconds, goodput), a validation pass per epoch, and the final model
+exported in a form plain PyTorch loads.
+
+    python jobs/train_images.py                          # the embedded default, on a local Ray
+    ray job submit --working-dir . -- python jobs/train_images.py \\
+        --volume s3://bucket/shapes --storage-path s3://bucket/runs --min-workers 2 --max-workers 8
+
+Without --volume it generates a small, learnable dataset (coloured shapes in the ImageFolder
+layout, ``train/`` and ``val/``) into ./data/shapes and trains on CPU in a few minutes. A volume
+given with --volume must have ``train/<class>/*.jpg`` and ``val/<class>/*.jpg``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import pyarrow.fs as pafs
+import ray
+import ray.train
+import torch
+import torchvision
+from ray.train.torch import TorchTrainer, prepare_model
+from torchvision.transforms import v2
+
+from ray_resilient import CheckpointManager, recommended_ray_config
+from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform
+from ray_resilient.goodput import parse_duration
+from ray_resilient.tracking import MlflowMetrics, current_run_name
+
+MODEL_FILE = "final_model.pt"
+
+
+def build_model(name: str, num_classes: int) -> torch.nn.Module:
+    """A torchvision classification model (e.g. resnet18, mobilenet_v3_small) with ``num_classes`` outputs."""
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int) -> float:
+    """Top-1 accuracy over every image of ``volume`` (run on rank 0 alone)."""
+    dataset = VolumeImageDataset(volume, global_batch=batch, drop_last=False, seed=0,
+                                 transform=v2.Compose([v2.Resize(image_size, antialias=True),
+                                                       v2.CenterCrop(image_size),
+                                                       v2.ToDtype(torch.float32, scale=True)]))
+    loader = VolumeDataLoader(dataset, num_workers=0, metrics_logger=None)
+    correct, seen = 0, set()
+    model.eval()
+    with torch.no_grad():
+        for item in loader:
+            predicted = model(item.images).argmax(1)
+            for sample, right in zip(item.sample_ids.tolist(), (predicted == item.labels).tolist()):
+                if sample not in seen:  # the last batch is padded with repeats
+                    seen.add(sample)
+                    correct += right
+    model.train()
+    return correct / len(seen)
+
+
+def export_model(module: torch.nn.Module, config: dict[str, Any]) -> str:
+    """Write the trained weights and what is needed to rebuild the model next to the run's checkpoints."""
+    storage = ray.train.get_context().get_storage()
+    path = f"{storage.experiment_fs_path}/{MODEL_FILE}"
+    buffer = io.BytesIO()
+    torch.save({"model": config["model"], "classes": config["class_names"], "image_size": config["image_size"],
+                "state_dict": {k: v.detach().cpu() for k, v in module.state_dict().items()}}, buffer)
+    with storage.storage_filesystem.open_output_stream(path) as out:
+        out.write(buffer.getvalue())
+    with tempfile.TemporaryDirectory() as local:  # and as an MLflow artifact of the run
+        with open(os.path.join(local, MODEL_FILE), "wb") as out:
+            out.write(buffer.getvalue())
+        mlflow = MlflowMetrics(current_run_name())
+        mlflow.client.log_artifact(mlflow.run_id, os.path.join(local, MODEL_FILE))
+    return path
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    train_volume, val_volume = Volume(f"{config['volume']}/train"), Volume(f"{config['volume']}/val")
+    dataset = VolumeImageDataset(train_volume, config["cache_dir"], global_batch=config["global_batch"], rank=rank,
+                                 world_size=world, seed=config["seed"], cache_limit=config["cache_limit"],
+                                 transform=default_transform(config["image_size"]))
+    loader = VolumeDataLoader(dataset, num_workers=config["loader_workers"])
+    torch.manual_seed(config["seed"])
+    model = prepare_model(build_model(config["model"], len(config["class_names"])))
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9, weight_decay=5e-4)
+    total_steps = config["epochs"] * dataset.batches_per_epoch(0)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config["lr"], total_steps=total_steps)
+    metrics_log = MlflowMetrics(current_run_name()) if rank == 0 else None
+    metrics: dict[str, float] = {}
+    with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
+                           interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
+                           faults=config["faults"]) as ckpt:
+        state = ckpt.restore()
+        restarts = ckpt.goodput.breakdown().attempts - 1 if rank == 0 else 0
+        if rank == 0:
+            print(f"[attempt {restarts + 1}] {world} workers, starting at step {state.step} of {total_steps} "
+                  f"(epoch {state.epoch}); restarts so far: {restarts}", flush=True)
+        while loader.epoch < config["epochs"]:
+            epoch, started, seen, correct = loader.epoch, time.monotonic(), 0, 0
+            for batch in loader:
+                logits = model(batch.images)
+                loss = torch.nn.functional.cross_entropy(logits, batch.labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                seen += len(batch.labels)
+                correct += int((logits.argmax(1) == batch.labels).sum())
+                metrics = {"loss": loss.item(), "train_accuracy": correct / seen}
+                ckpt.step_completed(loader.epoch, metrics)
+                step = ckpt.train_state.step
+                if metrics_log is not None and step % config["log_every"] == 0:
+                    throughput = seen * world / (time.monotonic() - started)
+                    metrics_log({**metrics, "samples_per_second": throughput}, step)
+                    print(f"step {step}/{total_steps} epoch {epoch} | {throughput:.0f} samples/s | loss "
+                          f"{metrics['loss']:.3f} | train acc {metrics['train_accuracy']:.3f} | checkpoints "
+                          f"committed {ckpt.checkpoints_committed} | restarts {restarts}", flush=True)
+            if rank == 0 and seen:
+                metrics["val_accuracy"] = evaluate(model.module if hasattr(model, "module") else model, val_volume,
+                                                   config["image_size"], config["global_batch"])
+                metrics_log({"val_accuracy": metrics["val_accuracy"]}, ckpt.train_state.step)
+                print(f"epoch {epoch} done: val accuracy {metrics['val_accuracy']:.3f}", flush=True)
+        ckpt.finish(metrics)
+    if rank == 0:
+        module = model.module if hasattr(model, "module") else model
+        print(f"exported the final model to {export_model(module, config)}", flush=True)
+
+
+def generate_default_volume(root: str, per_class: int, classes: int, image_size: int, seed: int) -> str:
+    """The embedded default dataset under ``root`` (train/ and val/), generated once."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from make_image_volume import make_image_volume
+
+    fs = pafs.LocalFileSystem()
+    for split, count, split_seed in (("train", per_class, seed), ("val", max(per_class // 4, 10), seed + 1)):
+        done = f"{root}/{split}/.complete"
+        if os.path.exists(done):
+            continue
+        print(f"Generating the {split} split of the default dataset in {root}/{split}", file=sys.stderr)
+        make_image_volume(fs, f"{root}/{split}", classes=classes, per_class=count, size=image_size, seed=split_seed,
+                          progress=True)
+        open(done, "w").close()
+    return root
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    data = parser.add_argument_group("data")
+    data.add_argument("--volume", help="dataset root with train/ and val/ in ImageFolder layout: a path, a mount "
+                                       "or s3://bucket/prefix (default: generate ./data/shapes)")
+    data.add_argument("--per-class", type=int, default=300, help="generated train images per class (default: 300)")
+    data.add_argument("--classes", type=int, default=4, help="generated classes (default: 4)")
+    data.add_argument("--image-size", type=int, default=32, help="training image side in pixels (default: 32)")
+    data.add_argument("--cache-dir", default=None,
+                      help="node-local cache of the volume's files (default: $TMPDIR/ray-resilient/cache/...)")
+    data.add_argument("--cache-limit", type=int, default=None, help="cache bound in bytes (default: unbounded)")
+    data.add_argument("--loader-workers", type=int, default=None,
+                      help="DataLoader worker processes per rank (default: from the CPU count)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--storage-path", default=os.path.abspath("runs"),
+                     help="where checkpoints, the goodput ledger and the model go: a path, a shared mount or "
+                          "s3://bucket/prefix (default: ./runs)")
+    run.add_argument("--name", default="train_images", help="run name; running again resumes it (default: train_images)")
+    run.add_argument("--min-workers", type=int, default=1, help="fewest Ray Train workers to run on (default: 1)")
+    run.add_argument("--max-workers", type=int, default=2, help="most Ray Train workers (default: 2)")
+    run.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    run.add_argument("--max-failures", type=int, default=3, help="worker-group restarts allowed (default: 3)")
+    run.add_argument("--interval", default="20",
+                     help='checkpoint every N steps, or "auto" for the optimum given --mtbf (default: 20)')
+    run.add_argument("--mtbf", default="1h", help='the job\'s mean time between failures, for --interval auto '
+                                                  '(e.g. 30m, 6h; default: 1h)')
+    run.add_argument("--num-to-keep", type=int, default=3, help="complete checkpoints kept (default: 3)")
+    run.add_argument("--ray-address", default=None,
+                     help='Ray cluster: "local" starts a new one (default: RAY_ADDRESS, else a new local one)')
+    run.add_argument("--tracking-uri", default=None,
+                     help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else ~/.ray_resilient/mlflow.db)")
+    run.add_argument("--faults", default="",
+                     help='fault plan for demos, e.g. "kill:step=30:rank=1" (see ray_resilient.faults; default: none)')
+    train = parser.add_argument_group("training")
+    train.add_argument("--model", default="resnet18", help="torchvision model name (default: resnet18)")
+    train.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
+    train.add_argument("--global-batch", type=int, default=64, help="global batch size (default: 64)")
+    train.add_argument("--lr", type=float, default=0.05, help="peak learning rate, one-cycle (default: 0.05)")
+    train.add_argument("--seed", type=int, default=0, help="seed of the order, augmentation and init (default: 0)")
+    train.add_argument("--log-every", type=int, default=5, help="steps between progress lines (default: 5)")
+    args = parser.parse_args(argv)
+    if args.interval != "auto" and not args.interval.isdigit():
+        parser.error(f'--interval must be a number of steps or "auto", got {args.interval!r}')
+    if not 1 <= args.min_workers <= args.max_workers:
+        parser.error(f"need 1 <= --min-workers <= --max-workers, got {args.min_workers} and {args.max_workers}")
+    return args
+
+
+def print_summary(result: ray.train.Result, config: dict[str, Any], run_dir: str, tracking_uri: str) -> None:
+    from ray_resilient.goodput.report import render_report
+
+    metrics = result.metrics or {}
+    png = os.path.abspath(f"goodput-{os.path.basename(run_dir)}.png")
+    print("\n" + render_report(run_dir, png))
+    print(f"goodput timeline:  {png}")
+    print(f"val accuracy:      {metrics.get('val_accuracy', float('nan')):.3f}")
+    print(f"checkpoints:       {run_dir} (final: {result.checkpoint.path if result.checkpoint else None})")
+    print(f"exported model:    {run_dir}/{MODEL_FILE} (torch.load it; rebuild with "
+          f"torchvision.models.get_model({config['model']!r}, num_classes=len(saved['classes'])))")
+    print(f"MLflow:            {tracking_uri}, experiment ray_resilient, run {os.path.basename(run_dir)!r} "
+          f"(mlflow ui --backend-store-uri {tracking_uri})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.tracking_uri:
+        os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
+    from ray_resilient.tracking import default_tracking_uri
+
+    tracking_uri = default_tracking_uri()
+    os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the workers log to the same store
+    volume = args.volume or generate_default_volume(os.path.abspath("data/shapes"), args.per_class, args.classes,
+                                                    args.image_size, args.seed)
+    ray.init(address=args.ray_address, runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking_uri}})
+    ray_config = recommended_ray_config(args.name, args.storage_path, workers=(args.min_workers, args.max_workers),
+                                        use_gpu=args.use_gpu, max_failures=args.max_failures,
+                                        num_to_keep=args.num_to_keep)
+    # Class names from the driver: a ``.classes`` attribute inside a train function defined in
+    # __main__ makes cloudpickle try to pickle the torch.classes module.
+    config = {"volume": volume, "class_names": Volume(f"{volume}/train").classes, "cache_dir": args.cache_dir, "cache_limit": args.cache_limit,
+              "loader_workers": args.loader_workers, "image_size": args.image_size, "model": args.model,
+              "epochs": args.epochs, "global_batch": args.global_batch, "lr": args.lr, "seed": args.seed,
+              "interval": "auto" if args.interval == "auto" else int(args.interval),
+              "mtbf_s": parse_duration(args.mtbf), "faults": args.faults, "log_every": args.log_every}
+    print(f"Training {args.model} on {volume} with {args.min_workers}-{args.max_workers} workers; run "
+          f"{args.name!r} in {args.storage_path}", flush=True)
+    result = ray_config.fit(TorchTrainer(train_fn, train_loop_config=config, **ray_config.trainer_kwargs()))
+    print_summary(result, config, f"{args.storage_path.rstrip('/')}/{args.name}", tracking_uri)
+    metrics = result.metrics or {}
+    print("RESULT " + json.dumps({key: metrics.get(key) for key in ("val_accuracy", "goodput", "step")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The quickstart notebook, executed headless as a user would run it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_trains_and_reports(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    os.symlink(NOTEBOOK.parent.parent / "jobs", tmp_path / "jobs")
+    env_address = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        if env_address is not None:
+            os.environ["RAY_ADDRESS"] = env_address
+    outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                      for out in cell.get("outputs", []))
+    assert "final checkpoint: " + str(tmp_path / "runs" / "notebook-quickstart" / "checkpoint_") in outputs
+    accuracy = float(outputs.split("train accuracy: ")[1].split()[0])
+    assert accuracy > 0.6  # 3 classes: chance is 0.33
+    assert "goodput report of" in outputs and (tmp_path / "goodput-notebook.png").exists()
