@@ -23,7 +23,8 @@
 #   RAY_RESILIENT_DASHBOARD_PORT  dashboard and job API (8265)
 #   RAY_RESILIENT_CLIENT_PORT     Ray Client server (10001)
 #   RAY_RESILIENT_AGENT_PORT      the head's dashboard agent, which runs submitted jobs (52365)
-#   RAY_RESILIENT_RAY_TEMP_DIR    Ray's temp dir (Ray's default, /tmp/ray; keep it short)
+#   RAY_RESILIENT_RAY_TEMP_DIR    the head's Ray temp dir (Ray's default, /tmp/ray; keep it short: socket
+#                                 paths under it must fit in 107 characters); worker node i: <it>-worker-i
 #   RAY_RESILIENT_S3_PORT         S3 (8333; SeaweedFS also takes this port + 10000 for gRPC)
 #   RAY_RESILIENT_MLFLOW_PORT     MLflow tracking server (5000)
 #   RAY_RESILIENT_BUCKET          the bucket (ray-resilient; at least 3 characters)
@@ -225,10 +226,10 @@ def running() -> bool:
 def ready() -> bool:
     if kind == "http":  # URL [BEARER_TOKEN_FILE]: answers 200
         request = urllib.request.Request(args[0])
-        if len(args) > 1:
-            with open(os.path.expanduser(args[1])) as token:
-                request.add_header("Authorization", f"Bearer {token.read().strip()}")
         try:
+            if len(args) > 1:
+                with open(os.path.expanduser(args[1])) as token:
+                    request.add_header("Authorization", f"Bearer {token.read().strip()}")
             with urllib.request.urlopen(request, timeout=5) as response:
                 return response.status == 200
         except OSError:
@@ -245,6 +246,13 @@ def ready() -> bool:
         except OSError:
             return False
     if kind == "ray-nodes":  # GCS_ADDRESS N: at least N nodes alive (token auth from RAY_AUTH_MODE)
+        import socket
+
+        host, port = args[0].rsplit(":", 1)
+        try:  # before the GCS listens, a GcsClient would block for half a minute
+            socket.create_connection((host, int(port)), timeout=2).close()
+        except OSError:
+            return False
         from ray._raylet import GcsClient
 
         try:
@@ -254,15 +262,17 @@ def ready() -> bool:
         return sum(info.state == 0 for info in nodes.values()) >= int(args[1])  # 0: ALIVE
     raise ValueError(kind)
 
-while not ready():
+while True:
     if not running():
         sys.exit("exited")
+    if ready():
+        break
     if time.monotonic() > deadline:
         sys.exit(f"no answer within {timeout}s")
     time.sleep(0.5)
 PY
     die "$what did not come up; see the end of its log:
-$(tail -n 30 "$STATE/logs/$what.log" 2>/dev/null)"
+$(tail -n 20 "$STATE/logs/$what.log" 2>/dev/null)"
   fi
 }
 
@@ -329,11 +339,14 @@ EOF
   # Whatever goes wrong from here on, stop what was started.
   trap 'echo "local.sh: up failed; stopping what it started" >&2; stop_all >&2' EXIT
 
-  # The environment of every process started: no other cluster's address, the client environment
-  # (the nodes pass it on to Ray's workers and to job drivers: S3 credentials, MLflow), token auth.
+  # The environment of every process started: the client environment (the nodes pass it on to
+  # Ray's workers and to job drivers: S3 credentials, MLflow, token auth), no other cluster's address,
+  # and this cluster's dashboard as the state API server: without it, Ray Train's PlacementGroupCleaner
+  # looks for "the" local cluster and fails (or finds another one) when several run on the machine.
   local env_words
   read -r -a env_words <<<"$(client_env)"
-  local node_env=(env -u RAY_ADDRESS -u RAY_API_SERVER_ADDRESS "${env_words[@]:1}" "${FAST_NODE_FAILURE_DETECTION[@]}")
+  local node_env=(env -u RAY_ADDRESS "RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT" "${env_words[@]:1}"
+                  "${FAST_NODE_FAILURE_DETECTION[@]}")
 
   start_bg s3 "${node_env[@]}" "$VENV_BIN/weed" mini -dir="$STATE/s3" -bucket="$BUCKET" -ip=127.0.0.1 \
     -ip.bind=127.0.0.1 -s3.port="$S3_PORT" -webdav=false -admin.ui=false -s3.port.iceberg=0 \
@@ -349,9 +362,13 @@ EOF
   export RAY_AUTH_MODE=token
   await head 180 "$(<"$STATE/pids/head.pid")" ray-nodes "127.0.0.1:$RAY_PORT" 1
   await head 180 "$(<"$STATE/pids/head.pid")" http "http://127.0.0.1:$DASHBOARD_PORT/api/jobs/" "~/.ray/auth_token"
-  for ((i = 1; i <= workers; i++)); do  # one at a time: raylets starting together race for ports
+  # The worker nodes, one at a time (raylets starting together race for ports), each with a temp dir
+  # of its own: nodes sharing one would share their runtime_resources, and a node unpacking a job's
+  # working_dir would replace the directory a driver on another node runs in.
+  for ((i = 1; i <= workers; i++)); do
     start_bg "worker-$i" "${node_env[@]}" "$VENV_BIN/ray" start --block --address="127.0.0.1:$RAY_PORT" \
-      --node-ip-address=127.0.0.1 --num-cpus="$cpus" --disable-usage-stats
+      --node-ip-address=127.0.0.1 --num-cpus="$cpus" --disable-usage-stats \
+      --temp-dir="${RAY_TEMP_DIR:-${TMPDIR:-/tmp}/ray}-worker-$i"
     await "worker-$i" 180 "$(<"$STATE/pids/worker-$i.pid")" ray-nodes "127.0.0.1:$RAY_PORT" $((i + 1))
   done
   AWS_ACCESS_KEY_ID=$S3_ACCESS_KEY AWS_SECRET_ACCESS_KEY=$S3_SECRET_KEY \

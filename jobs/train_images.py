@@ -90,7 +90,7 @@ def train_fn(config: dict[str, Any]) -> None:
     dataset = VolumeImageDataset(train_volume, config["cache_dir"], global_batch=config["global_batch"], rank=rank,
                                  world_size=world, seed=config["seed"], cache_limit=config["cache_limit"],
                                  transform=default_transform(config["image_size"]))
-    loader = VolumeDataLoader(dataset, num_workers=config["loader_workers"])
+    loader = VolumeDataLoader(dataset, num_workers=config["loader_workers"], log_every=config["log_every"])
     torch.manual_seed(config["seed"])
     model = prepare_model(build_model(config["model"], len(config["class_names"])))
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9, weight_decay=5e-4)
@@ -100,7 +100,7 @@ def train_fn(config: dict[str, Any]) -> None:
     metrics: dict[str, float] = {}
     with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
                            interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
-                           faults=config["faults"]) as ckpt:
+                           goodput_log_every=config["log_every"], faults=config["faults"]) as ckpt:
         state = ckpt.restore()
         restarts = ckpt.goodput.breakdown().attempts - 1 if rank == 0 else 0
         if rank == 0:
@@ -203,18 +203,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_summary(result: ray.train.Result, config: dict[str, Any], run_dir: str, tracking_uri: str) -> None:
+    """The end of the job: goodput report and timeline (next to the run, and in MLflow), where everything is."""
+    from ray_resilient.data.volume import open_filesystem
     from ray_resilient.goodput.report import render_report
 
     metrics = result.metrics or {}
-    png = os.path.abspath(f"goodput-{os.path.basename(run_dir)}.png")
-    print("\n" + render_report(run_dir, png))
-    print(f"goodput timeline:  {png}")
+    with tempfile.TemporaryDirectory() as local:
+        png = os.path.join(local, "goodput_timeline.png")
+        print("\n" + render_report(run_dir, png))
+        filesystem, path = open_filesystem(run_dir)
+        with open(png, "rb") as source, filesystem.open_output_stream(f"{path}/goodput_timeline.png") as out:
+            out.write(source.read())
+        mlflow = MlflowMetrics(os.path.basename(run_dir.rstrip("/")))
+        mlflow.client.log_artifact(mlflow.run_id, png)
+    ui = tracking_uri if tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {tracking_uri}"
+    print(f"goodput timeline:  {run_dir}/goodput_timeline.png (and in the MLflow run)")
     print(f"val accuracy:      {metrics.get('val_accuracy', float('nan')):.3f}")
     print(f"checkpoints:       {run_dir} (final: {result.checkpoint.path if result.checkpoint else None})")
     print(f"exported model:    {run_dir}/{MODEL_FILE} (torch.load it; rebuild with "
           f"torchvision.models.get_model({config['model']!r}, num_classes=len(saved['classes'])))")
-    print(f"MLflow:            {tracking_uri}, experiment ray_resilient, run {os.path.basename(run_dir)!r} "
-          f"(mlflow ui --backend-store-uri {tracking_uri})")
+    print(f"MLflow:            experiment ray_resilient, run {os.path.basename(run_dir)!r}: {ui}")
 
 
 def main(argv: list[str] | None = None) -> None:

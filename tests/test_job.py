@@ -69,7 +69,7 @@ def test_image_job_on_the_embedded_default_recovers_a_kill_and_learns(tmp_path):
     assert "Injecting fault kill-step-15-rank1" in log and "[attempt 2]" in log
     result = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
     assert result["val_accuracy"] >= 0.9 and 0 < result["goodput"] < 1
-    assert (tmp_path / "goodput-train_images.png").stat().st_size > 10_000
+    assert (tmp_path / "runs" / "train_images" / "goodput_timeline.png").stat().st_size > 10_000
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "runs" / "train_images"))
     assert checkpoints[-1].complete and checkpoints[-1].step == result["step"]
     script = textwrap.dedent(f"""

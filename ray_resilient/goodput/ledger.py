@@ -14,8 +14,8 @@ loop's stall: ``step``, ``t_start``), ``durable`` and ``registered`` (a checkpoi
 Writing costs the loop one buffered ``write`` per event: on local or mounted storage the file is
 appended in place (flushed every event, so a SIGKILL loses nothing); on remote storage (S3, GCS)
 events go to a local spool file and a background thread uploads what is new every
-``upload_seconds`` as a numbered part (objects cannot be appended to), so a killed process loses at
-most that much of its log.
+``upload_seconds`` (2) as a numbered part (objects cannot be appended to), so a killed process
+loses at most that much of its log.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LedgerWriter:
     """Appends this process's events to its file in the run's ledger."""
 
     def __init__(self, filesystem: pafs.FileSystem, experiment_path: str, rank: int, local_dir: str,
-                 upload_seconds: float = 10.0):
+                 upload_seconds: float = 2.0):
         self.rank = rank
         self.attempt = f"{time.time_ns()}-rank{rank}-{os.getpid()}"
         self._filesystem, self._directory = filesystem, ledger_path(experiment_path)
@@ -75,6 +75,11 @@ class LedgerWriter:
             self._file.write(json.dumps(event) + "\n")
             self._file.flush()
         return event
+
+    def flush(self) -> None:
+        """Make every event recorded so far visible to :func:`read_events` (uploads on remote storage)."""
+        if self._remote:
+            self._upload_new()
 
     def _upload_every(self, seconds: float) -> None:
         while not self._stop.wait(seconds):

@@ -49,6 +49,7 @@ class GoodputRecorder:
         if self.rank != 0:
             return
         self._writer.record("restore", t_start=t_start, step=step)
+        self._writer.flush()  # this attempt's own events count too
         events = read_events(self._storage.filesystem, self._storage.experiment_path)
         now = time.time()
         self._live = account(events, now=now)
@@ -89,6 +90,8 @@ class GoodputRecorder:
     def finished(self, step: int) -> None:
         if self.rank == 0:
             self._writer.record("finish", step=step)
+            if self._metrics_logger is not None and self._live is not None:
+                self._log(step)  # the final figures
 
     def breakdown(self) -> Breakdown | None:
         """The run's breakdown until now (rank 0, after the restore), else None."""
