@@ -101,6 +101,10 @@ Result (defaults, ``--seed 0``; other users' processes used 0.01 cores during ei
       state on this disk, or a remote store taking ~140 MB/s); a 1536 MiB try was stopped: on
       2 cores its CPU-bound step (2.5 s) would take each run past the time limit.
 
+    The naive run's 3 restores (at steps 59, 98, 154, all in epoch 0) each sent its data back to
+    the start of epoch 0: its 200 steps never left the first 63 of the epoch's 100 batches, some
+    trained 4 times, where the job covers 2 epochs.
+
     Runs on the shared machine swing with other users' jobs (seen in ``ps``: a training job on
     SeaweedFS, test suites), which slow worker start-up 2-3x: three earlier runs of the same
     configuration gave goodput / naive / predicted 0.756 / 0.513 / 0.790 (others' jobs during the
@@ -262,41 +266,13 @@ class Job:
         self.optimizer.step()
 
 
-def auto_interval_manager() -> type:
-    """``CheckpointManager`` whose ``interval_steps="auto"`` update broadcasts rank 0's figures on
-    the training process group.
-
-    WORKAROUND, to delete once ``ray_resilient/checkpoint/manager.py`` is fixed:
-    ``CheckpointManager._update_auto_interval`` broadcasts on the checkpoint writer's dedicated
-    gloo group from the training thread right after a save started, while the writer's background
-    thread runs DCP's collectives on that same group; the two interleave differently on each rank
-    and both ranks hang (seen at the 5th save: main thread in ``broadcast_object_list``, writer
-    thread in DCP's ``gather_object``). This is the same computation on the training group.
-    """
-    from statistics import median
-
-    import torch.distributed as dist
-
-    from ray_resilient import CheckpointManager
-    from ray_resilient.checkpoint.collectives import broadcast_from_rank0
-    from ray_resilient.goodput.planner import interval_steps_for
-
-    class AutoIntervalOnTrainingGroup(CheckpointManager):
-        def _update_auto_interval(self) -> None:
-            group = dist.group.WORLD if dist.is_initialized() else None
-            stall, step_seconds = broadcast_from_rank0(group, (self.last_stall_seconds, median(self._step_seconds)))
-            self.interval_steps = interval_steps_for(self.mtbf_s, max(stall, 1e-6), max(step_seconds, 1e-6))
-            self._next_auto_save = self.train_state.step + self.interval_steps
-
-    return AutoIntervalOnTrainingGroup
-
-
 def train_resilient(config: dict[str, Any]) -> None:
     """ray_resilient: sharded async DCP checkpoints at the planner's interval, exact data position."""
     job = Job(config, RESILIENT)
-    manager = auto_interval_manager()
-    with manager(job.model, job.optimizer, data=job.data, interval_steps="auto", mtbf_s=config["mtbf_s"],
-                 seed=config["seed"], faults="", goodput_logger=None) as ckpt:
+    from ray_resilient import CheckpointManager
+
+    with CheckpointManager(job.model, job.optimizer, data=job.data, interval_steps="auto", mtbf_s=config["mtbf_s"],
+                           seed=config["seed"], faults="", goodput_logger=None) as ckpt:
         state = ckpt.restore()
         step = state.step
         job.log(restored=step, epoch=state.epoch, consumed=job.data.consumed)
