@@ -36,7 +36,7 @@ from torchvision.transforms import v2
 from ray_resilient import CheckpointManager, recommended_ray_config
 from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform
 from ray_resilient.goodput import parse_duration
-from ray_resilient.tracking import MlflowMetrics, current_run_name
+from ray_resilient.tracking import MlflowMetrics, current_run_name, default_tracking_uri
 
 MODEL_FILE = "final_model.pt"
 
@@ -229,8 +229,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tracking_uri:
         os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
-    from ray_resilient.tracking import default_tracking_uri
-
     tracking_uri = default_tracking_uri()
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the workers log to the same store
     volume = args.volume or generate_default_volume(os.path.abspath("data/shapes"), args.per_class, args.classes,

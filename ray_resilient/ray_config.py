@@ -46,7 +46,7 @@ import pyarrow.fs as pafs
 from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError
 
 from ray_resilient.checkpoint.layout import list_checkpoints
-from ray_resilient.goodput.ledger import LedgerWriter
+from ray_resilient.goodput.ledger import LedgerWriter, run_storage
 
 RECOMMENDED_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
@@ -106,11 +106,7 @@ class ResilientRayConfig:
         run = self.run_config
         if run.storage_filesystem is not None:
             return run.storage_filesystem, f"{run.storage_path.rstrip('/')}/{run.name}"
-        # imported here: the data package (torchvision, MLflow) is not needed to train
-        from ray_resilient.data.volume import open_filesystem
-
-        filesystem, root = open_filesystem(run.storage_path)
-        return filesystem, f"{root}/{run.name}"
+        return run_storage(f"{run.storage_path.rstrip('/')}/{run.name}")
 
 
 def recommended_ray_config(
