@@ -30,6 +30,13 @@ Each choice, and why:
     after this timeout instead of a minute later. Startup timeouts are not charged to
     ``max_failures``. On an autoscaling cluster, where new nodes take minutes, keep Ray's 60.
 
+- Spare workers (``spare_workers=True``): a restart replaces the whole worker group with new
+  processes, each starting Ray's worker and importing torch, Ray Train and ray_resilient, most
+  of a recovery. Every worker process imports the ``preload`` modules as it starts, and once an
+  attempt trains, :class:`~ray_resilient.CheckpointManager` asks each node's raylet for as many
+  idle processes as the node runs ranks; the next restart's actors take them
+  (:mod:`ray_resilient.spare_workers`). Add the train function's heavy imports to ``preload``.
+
   On the cluster side, the GCS declares a lost node dead after about 15 s of missed health
   checks; :data:`ray_resilient.local_cluster.FAST_NODE_FAILURE_DETECTION` shortens that to about
   3 s (set on the head node).
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +55,7 @@ from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, Scalin
 
 from ray_resilient.checkpoint.layout import list_checkpoints
 from ray_resilient.goodput.ledger import LedgerWriter, run_storage
+from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES, worker_env
 
 RECOMMENDED_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
@@ -121,6 +130,8 @@ def recommended_ray_config(
     resize_check_s: float = 300.0,
     storage_filesystem: pafs.FileSystem | None = None,
     env: dict[str, str] | None = None,
+    spare_workers: bool = True,
+    preload: Sequence[str] = DEFAULT_PRELOAD_MODULES,
 ) -> ResilientRayConfig:
     """The recommended configuration (see the module docstring for each choice).
 
@@ -134,6 +145,8 @@ def recommended_ray_config(
         resize_check_s: how often a running elastic job checks whether it could grow.
         storage_filesystem: a configured pyarrow filesystem for ``storage_path``.
         env: overrides of :data:`RECOMMENDED_ENV`.
+        spare_workers: keep warm worker processes for the next restart.
+        preload: modules every worker process imports as it starts (with ``spare_workers``).
     """
     if isinstance(workers, tuple):
         low, high = workers
@@ -151,5 +164,6 @@ def recommended_ray_config(
         storage_filesystem=storage_filesystem,
         failure_config=FailureConfig(max_failures=max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
+        worker_runtime_env={"env_vars": worker_env(preload)} if spare_workers else None,
     )
     return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})})

@@ -6,6 +6,7 @@ final weights and, step by step, the global batches it trained on.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -53,6 +54,28 @@ def test_three_seeded_kills_one_during_an_upload_leave_the_run_bitwise_identical
     expected = planned_global_batches(trainlib.JOB["samples"], trainlib.JOB["global_batch"], trainlib.JOB["seed"],
                                       trainlib.JOB["epochs"])
     assert [kept[step] for step in sorted(kept)] == expected
+
+
+def test_a_restarted_worker_group_starts_on_spare_processes_warmed_before_the_failure(reference, tmp_path):
+    from ray.train.torch import TorchTrainer
+
+    record = tmp_path / "rec"
+    config = recommended_ray_config("spares", str(tmp_path / "storage"), workers=2, max_failures=1,
+                                    preload=("torch", "ray.train.torch", "ray_resilient", "trainlib"))
+    trainer = TorchTrainer(trainlib.train_fn, train_loop_config=trainlib.job_config(record, "kill:step=8:rank=1"),
+                           **config.trainer_kwargs())
+    assert config.fit(trainer).error is None
+    first, second = zip(*(trainlib.read_attempts(str(record), rank) for rank in (0, 1)))
+    killed = [json.loads(line) for line in open(record / f"samples-rank1-{first[1]['attempt']}.jsonl")]
+    assert killed[-1]["step"] == 8
+    for before, after in zip(first, second):
+        assert after["pid"] != before["pid"]
+        # The restarted group's processes existed before the kill, had imported what preload names...
+        assert after["process_started"] < killed[-1]["time"], (after, killed[-1]["time"])
+        assert after["preloaded"] == ["torch", "ray.train.torch", "ray_resilient", "trainlib"]
+        # ...and were started once the first attempt trained, not with the cluster.
+        assert after["process_started"] > before["process_started"]
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
 def _driver(cluster: LocalRayCluster, record, storage, name: str, workers, config: dict, cwd) -> subprocess.Popen:

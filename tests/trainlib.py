@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import numpy as np
+import psutil
 import ray.train
 import torch
 from ray.train.torch import prepare_model
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from train_ddp import CLASSES, FEATURES, SyntheticBatches
 
-from ray_resilient import CheckpointManager
+from ray_resilient import CheckpointManager, spare_workers
 
 
 JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # train_fn: 24 steps
@@ -58,11 +59,12 @@ class AttemptRecorder:
         with open(os.path.join(record_dir, f"attempt-rank{self.rank}-{self.attempt}.json"), "w") as out:
             json.dump({"attempt": self.attempt, "restored_step": restored_step, "world_size": world,
                        "registered": registered.path if registered else None, "pid": os.getpid(),
-                       "node_id": ray.get_runtime_context().get_node_id()}, out)
+                       "node_id": ray.get_runtime_context().get_node_id(),
+                       "process_started": psutil.Process().create_time(), "preloaded": spare_workers.preloaded}, out)
         self._log = open(os.path.join(record_dir, f"samples-rank{self.rank}-{self.attempt}.jsonl"), "w")
 
     def step(self, step: int, ids: torch.Tensor, loss: torch.Tensor) -> None:
-        self._log.write(json.dumps({"step": step, "ids": ids.tolist(), "loss": loss.item()}) + "\n")
+        self._log.write(json.dumps({"step": step, "ids": ids.tolist(), "loss": loss.item(), "time": time.time()}) + "\n")
         self._log.flush()
 
 

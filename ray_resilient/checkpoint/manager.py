@@ -38,6 +38,7 @@ from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.planner import interval_steps_for
 from ray_resilient.goodput.recorder import GoodputRecorder, MetricsLogger
+from ray_resilient.spare_workers import SPARE_REFRESH_S, spares_enabled, start_spare_workers
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class CheckpointManager:
         self.failed_saves = 0  # saves that did not become durable
         self.checkpoints_committed = 0  # saves of this attempt every rank made durable
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
+        self._spares_due = 0.0  # time.monotonic() when spare workers are to be asked for (again)
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -224,6 +226,8 @@ class CheckpointManager:
         self._step_seconds.append(ended - self._mark)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
+        if time.monotonic() >= self._spares_due:
+            self._request_spare_workers()
         if self._save_due(state.step):
             self._checkpoint(metrics or {})
             if self.auto_interval:
@@ -262,6 +266,14 @@ class CheckpointManager:
         self.goodput.close()
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _request_spare_workers(self) -> None:
+        """Once this attempt trains, and before earlier spares expire, start warm processes for the next
+        restart (see :mod:`ray_resilient.spare_workers`)."""
+        self._spares_due = time.monotonic() + SPARE_REFRESH_S
+        context = ray.train.get_context()
+        if spares_enabled() and context.get_local_rank() == 0:
+            start_spare_workers(context.get_local_world_size())
 
     def _save_due(self, step: int) -> bool:
         if self.auto_interval:

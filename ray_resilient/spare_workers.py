@@ -1,0 +1,96 @@
+"""Spare worker processes, started and warmed before a failure, for the restarted worker group.
+
+After a failure Ray Train replaces the whole worker group with new actors, and each new actor is
+a new Python process: Ray's worker starts, then imports torch, Ray Train and the train
+function's modules. On a busy node that is most of a recovery (``benchmarks/recovery.py``).
+Ray's worker pool gives a new actor an idle worker process of the same job and runtime
+environment when one is there. So once an attempt has completed its first step, local rank 0
+of each node asks its raylet (Ray's ``PrestartWorkers`` RPC) for as many idle workers as the
+node runs ranks, with this worker's runtime environment, kept alive for :data:`KEEP_ALIVE_S`
+(and asked for again every :data:`SPARE_REFRESH_S`, so a long attempt always has some). Each
+of them imports the preload modules as it starts (Ray's worker process setup hook, set through
+``RunConfig(worker_runtime_env=...)`` by :func:`worker_env`). The next restart's actors take
+them and start in a fraction of a second; their replacements are asked for once that attempt
+trains.
+
+Costs: every spare is an idle process with torch imported (a few hundred MB of host memory), and
+starting one takes a few CPU seconds on the node while training goes on. Spares end with the
+job. This uses Ray internals (the RPC and the setup hook's environment variable); when the
+request fails, a warning is logged and training goes on without spares.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+SPARE_WORKERS_ENV = "RAY_RESILIENT_SPARE_WORKERS"  # "1": CheckpointManager asks for spares
+PRELOAD_ENV = "RAY_RESILIENT_PRELOAD_MODULES"  # comma-separated modules a spare imports at start
+DEFAULT_PRELOAD_MODULES = ("torch", "ray.train.torch", "ray_resilient")
+KEEP_ALIVE_S = 600  # Ray's idle-worker reaper leaves a spare alone this long (then keeps up to num_cpus idle)
+SPARE_REFRESH_S = 540  # CheckpointManager asks for new spares this often, before the last ones may be reaped
+_SETUP_HOOK = f"{__name__}.preload_modules"
+
+preloaded: list[str] = []  # modules this process imported through preload_modules()
+
+
+def worker_env(preload: Sequence[str] = DEFAULT_PRELOAD_MODULES) -> dict[str, str]:
+    """Environment for Ray Train's workers: spares on, and every worker process imports ``preload`` at start."""
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+    for name in preload:
+        if not name or "," in name:
+            raise ValueError(f"preload module names must be non-empty and without commas, got {name!r}")
+    return {SPARE_WORKERS_ENV: "1", PRELOAD_ENV: ",".join(preload), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: _SETUP_HOOK}
+
+
+def preload_modules() -> None:
+    """Ray's worker process setup hook: import the modules named in ``RAY_RESILIENT_PRELOAD_MODULES``.
+
+    A module that fails to import is logged and skipped: the worker must still start.
+    """
+    for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
+        try:
+            importlib.import_module(name)
+            preloaded.append(name)
+        except Exception:  # noqa: BLE001 - a failing preload must not kill the worker process
+            logger.warning("Could not preload %s in a Ray worker", name, exc_info=True)
+
+
+def spares_enabled() -> bool:
+    """Whether this worker was configured to ask for spares (see :func:`worker_env`)."""
+    return os.environ.get(SPARE_WORKERS_ENV) == "1"
+
+
+def start_spare_workers(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> bool:
+    """Ask this node's raylet for ``count`` idle workers of this job with this worker's runtime env.
+
+    Call from inside a Ray worker. Returns whether the raylet accepted the request.
+    """
+    import ray
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+    context = ray.get_runtime_context()
+    try:
+        node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
+        request = node_manager_pb2.PrestartWorkersRequest(
+            language=common_pb2.Language.PYTHON,
+            job_id=ray.JobID.from_hex(context.get_job_id()).binary(),
+            keep_alive_duration_secs=keep_alive_s,
+            num_workers=count,
+        )
+        request.runtime_env_info.serialized_runtime_env = context.get_runtime_env_string()
+        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        try:
+            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+        finally:
+            channel.close()
+    except Exception:  # noqa: BLE001 - spares only speed up the next restart
+        logger.warning("Could not start spare Ray workers; the next restart starts new processes", exc_info=True)
+        return False
+    return True
