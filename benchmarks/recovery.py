@@ -20,6 +20,7 @@ Setup
     ``random_kill_plan(seed, kills=K, steps=S, interval=I, world_size=W, upload_kills=0)``: the
     ``kill:step=N:rank=R`` fault fires inside ``step_completed`` right after step N, once per run.
     Every kill makes Ray Train restart the whole worker group, and gives one recovery sample.
+    The same plan runs twice, each on a fresh cluster: without and with spare workers.
 
 Timing
     Every rank appends timestamped events (``time.time()``, one JSON object a line) to a file:
@@ -63,41 +64,46 @@ Timing
     model        -> model, DDP, optimizer and data built.
     manager      -> ``CheckpointManager`` constructed (``restore()`` is called next).
 
-    The last line printed is the summary the issue asks for (medians over the kills)::
+    The last line printed is the summary the issue asks for (medians over the kills, with spares)::
 
         recovery_seconds=<median> recomputed_steps=<median> restore_seconds=<median>
 
 Machine
-    Measured on a 2-core AMD EPYC Firecracker VM, 24 GiB RAM, torch CPU, Ray 2.60 (Train V2),
-    shared: the two workers, Ray's processes (GCS, two raylets, the controller), the driver and,
-    during the run below, another user's Ray test suite (load average 3-5) ran on the 2 cores.
-    Every number here is the time of new processes starting and importing on busy cores, so it
-    moves a lot between samples and runs (12-21 s per kill below; a 2-kill run just before gave a
-    median of 17.3 s).
+    A 2-core AMD EPYC Firecracker VM, 24 GiB RAM, torch CPU, Ray 2.60 (Train V2), shared with other
+    users' jobs: the two workers, Ray's processes (GCS, two raylets, the controller) and the driver
+    share the 2 cores. The last line is about the run with spares (summary: medians over the kills).
 
 Result and what dominates (defaults, ``--seed 0``: 5 kills, all of rank 1, in 300 steps)
-    Median recovery 14.5 s: restart 8.7 s (60%) + setup 5.6 s (38%) + detect 0.12 s + restore
-    0.09 s + ffwd 0.0006 s + first step 0.07 s; recomputed steps median 13, at most 18 (< the
-    20-step interval). A second run, with other benchmarks on the cores: median 19.0 s (restart
-    13.1 s, setup 5.3 s, detect 0.29 s, restore 0.10 s). Nearly all of it is two fresh worker
-    processes starting and importing:
+    Each invocation runs the same kill plan twice on fresh clusters: without spare workers
+    (``recommended_ray_config(spare_workers=False)``) and with them, the default (see
+    :mod:`ray_resilient.spare_workers`; ``preload`` adds ``train_ddp`` and this module). On an
+    otherwise quiet machine (2026-11-29)::
 
-    - imports (5.5 s median) is the train function's imports (``ray_resilient``, ``ray.train.torch``,
-      ``train_ddp``), in a fresh process on busy cores. ``import ray_resilient`` alone takes about
-      3 s here, most of it ``torch.distributed.checkpoint`` and Ray Train; the data package
-      (torchvision, MLflow) is only imported where it is used.
-    - context (4.4 s) and actors (3.9 s) are Ray Train restarting the whole worker group with new
-      processes, killing the surviving rank too: process start, ``import ray``, ``import torch``
-      (1.3-2.9 s alone here). Only keeping processes alive avoids it (Ray Train replaces just the
-      failing workers only for torchft replica groups), or more cores; these are Ray's, not ours.
-    - detect (0.12 s) is bounded by the health check interval (0.5 s); stop+pg is 0.4 s;
-      restoring 4.4 MB of state (0.09 s) and the data fast-forward (``SyntheticBatches`` seeks by
-      index) are negligible; restore grows with the state size (DCP loads shards in parallel).
-    - Not measured here: the loss of a whole node adds the GCS's node-death detection, about 3 s
-      with ``FAST_NODE_FAILURE_DETECTION`` (15 s with Ray's defaults), during which the first
-      restart may not be placeable (``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S``).
+                          without spares   with spares (default)
+        recovery (median)     8.01 s          4.14 s    (ratio 0.52)
+        detect                0.34            0.06
+        restart               5.34            1.29      actors 2.14 -> 0.19, context 2.48 -> 0.09
+        setup                 2.15            2.30      imports 1.41 -> 0.00, model 0.74 -> 2.30
+        restore               0.060           0.101
+        first step            0.060           0.118
+        recomputed steps      13              13        (at most 18, under the 20-step interval)
 
-Run: ``python benchmarks/recovery.py`` (about 3 minutes; ``--kills 2 --steps 120`` for a quick try).
+    Without spares, Ray Train restarting the whole worker group as new processes dominates:
+    ``actors`` (a new Ray worker process per rank) and ``context`` (it imports torch and Ray
+    Train), then the train function's own imports. With spares, the new actors land on idle
+    processes that already imported all of that: ``restart`` is mostly stopping the old group and
+    the new placement group (``stop+pg`` 0.9 s). What is left is ``model`` (2.3 s): building the
+    model, ``prepare_model`` (DDP's first broadcast over a new gloo group) and lazily imported
+    torch parts, on cores shared with the spares' replacements starting; then ``stop+pg``.
+    Detection is bounded by the health check (0.5 s); restoring 4.4 MB (0.1 s) and the data
+    fast-forward (``SyntheticBatches`` seeks by index) are small. Earlier runs on busier cores
+    (other users' test suites, load average 3-5) gave a median of 14.5-19.0 s without spares:
+    the new processes' start-up is what shared cores slow most, and what spares take out of the
+    recovery. Not measured here: the loss of a whole node adds the GCS's node-death detection,
+    about 3 s with ``FAST_NODE_FAILURE_DETECTION`` (15 s with Ray's defaults), and the spares of
+    the lost node are lost with it (the restart on the remaining nodes uses theirs).
+
+Run: ``python benchmarks/recovery.py`` (about 4 minutes; ``--kills 2 --steps 120`` for a quick try).
 """
 
 from __future__ import annotations
@@ -123,7 +129,7 @@ sys.path.insert(0, str(JOBS))
 
 HIDDEN = 512
 # Modules whose presence at the train function's entry says what the worker imported before it.
-PRELOAD_PROBES = ("torch", "torch.distributed.checkpoint", "torchvision", "mlflow", "ray_resilient")
+PRELOAD_PROBES = ("torch", "torch.distributed.checkpoint", "ray_resilient", "train_ddp", "recovery")
 PHASES = ("detect", "restart", "setup", "restore", "ffwd", "first_step")
 
 
@@ -210,11 +216,13 @@ def drive(config_path: str) -> None:
     import recovery  # by name, so the workers import the train function instead of unpickling it
 
     from ray_resilient import recommended_ray_config
+    from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES
 
     config = json.loads(Path(config_path).read_text())
     ray.init(address=config["address"])
     ray_config = recommended_ray_config("recovery", config["storage"], workers=config["workers"],
-                                        max_failures=config["max_failures"])
+                                        max_failures=config["max_failures"], spare_workers=config["spares"],
+                                        preload=(*DEFAULT_PRELOAD_MODULES, "train_ddp", "recovery"))
     trainer = TorchTrainer(recovery.train_fn, train_loop_config=config["loop"], **ray_config.trainer_kwargs())
     started = time.time()
     outcome: dict[str, Any] = {"fit_start": started}
@@ -362,7 +370,8 @@ def print_table(rows: list[dict[str, Any]], columns: tuple[str, ...], ints: tupl
 
 
 def print_report(rows: list[dict[str, Any]], events: list[dict[str, Any]], outcome: dict[str, Any],
-                 args: argparse.Namespace, plan: str) -> None:
+                 args: argparse.Namespace, plan: str) -> dict[str, float]:
+    """The tables of one run; returns the medians."""
     print(f"\nRecovery from a SIGKILL of one of {args.workers} workers (checkpoint every {args.interval} steps, "
           f"{args.step_seconds}s of emulated compute a step), seconds per phase:")
     print(f"plan: {plan}")
@@ -388,8 +397,7 @@ def print_report(rows: list[dict[str, Any]], events: list[dict[str, Any]], outco
           f"{first_step - outcome['fit_start']:.2f}s; train function entries: {len(starts)} "
           f"({len(rows) + 1} attempts x {args.workers} ranks expected); fit() took "
           f"{outcome['fit_end'] - outcome['fit_start']:.1f}s, error: {outcome.get('error')}")
-    print(f"recovery_seconds={med['recovery']:.3f} recomputed_steps={med['recomputed']:g} "
-          f"restore_seconds={med['restore']:.4f}")
+    return med
 
 
 # --- main -----------------------------------------------------------------------------------------
@@ -410,25 +418,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
-    from ray_resilient.faults import random_kill_plan
+def run(args: argparse.Namespace, plan: str, spares: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict]:
+    """One run on a fresh local cluster: (recovery rows, events, the driver's outcome)."""
     from ray_resilient.local_cluster import LocalRayCluster
 
-    plan = random_kill_plan(args.seed, kills=args.kills, steps=args.steps, interval=args.interval,
-                            world_size=args.workers, upload_kills=0)
     root = Path(tempfile.mkdtemp(prefix="recovery-"))
     ray_dir, record_dir = root / "ray", root / "record"
     ray_dir.mkdir()
     record_dir.mkdir()
     config = {
-        "storage": str(root / "storage"), "workers": args.workers, "max_failures": args.kills,
+        "storage": str(root / "storage"), "workers": args.workers, "max_failures": args.kills, "spares": spares,
         "result": str(root / "result.json"),
         "loop": {"record_dir": str(record_dir), "faults": plan, "seed": args.seed, "interval": args.interval,
                  "max_steps": args.steps, "step_seconds": args.step_seconds, "samples": 4096, "global_batch": 64},
     }
     # The workers import this module (train_fn) and jobs/train_ddp.py (the data) through PYTHONPATH.
     pythonpath = os.pathsep.join(filter(None, [str(BENCHMARKS), str(JOBS), str(REPO), os.environ.get("PYTHONPATH")]))
+    keep = args.keep
     try:
         with LocalRayCluster(ray_dir, env={**os.environ, "PYTHONPATH": pythonpath}) as cluster:
             cluster.add_node(cpus=args.node_cpus)
@@ -445,16 +451,35 @@ def main() -> None:
             raise RuntimeError(f"the driver wrote no result; see {root / 'driver.log'} (temp dir kept)")
         outcome = json.loads((root / "result.json").read_text())
         events = read_events(record_dir)
-        rows = recoveries(events, plan, controller_log(ray_dir))
-        print_report(rows, events, outcome, args, plan)
+        return recoveries(events, plan, controller_log(ray_dir)), events, outcome
     except BaseException:
-        args.keep = True  # the logs say what went wrong
+        keep = True  # the logs say what went wrong
         raise
     finally:
-        if not args.keep:
+        if not keep:
             shutil.rmtree(root, ignore_errors=True)
         elif root.exists():
             print(f"temp dir kept: {root}", file=sys.stderr)
+
+
+def main() -> None:
+    args = parse_args()
+    from ray_resilient.faults import random_kill_plan
+
+    plan = random_kill_plan(args.seed, kills=args.kills, steps=args.steps, interval=args.interval,
+                            world_size=args.workers, upload_kills=0)
+    results = {}
+    for spares in (False, True):  # the product's default (spares) last: its summary is the last line
+        name = "with spare workers (the default)" if spares else "without spare workers (spare_workers=False)"
+        print(f"\n=== {name} ===")
+        rows, events, outcome = run(args, plan, spares)
+        results[spares] = print_report(rows, events, outcome, args, plan)
+    off, on = results[False], results[True]
+    print(f"\nspare workers: median recovery {on['recovery']:.2f}s vs {off['recovery']:.2f}s without "
+          f"(ratio {on['recovery'] / off['recovery']:.2f}); restart {on['restart']:.2f}s vs {off['restart']:.2f}s, "
+          f"setup {on['setup']:.2f}s vs {off['setup']:.2f}s")
+    print(f"recovery_seconds={on['recovery']:.3f} recomputed_steps={on['recomputed']:g} "
+          f"restore_seconds={on['restore']:.4f}")
 
 
 if __name__ == "__main__":
