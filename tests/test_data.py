@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +104,78 @@ def test_local_and_s3_volumes_give_identical_samples(image_dir, s3_server, tmp_p
     from_disk = global_batches([make_loader(local, tmp_path / "cache-local")])
     assert [ids for ids, _ in from_s3] == [ids for ids, _ in from_disk]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(from_s3, from_disk))
+
+
+class TcpForwarder:
+    """Forwards 127.0.0.1:<port> to ``upstream``, one thread pair per connection, until :meth:`close`,
+    which also cuts the open connections (the storage endpoint going away)."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream, self._sockets = upstream, []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            self._sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # stops listening and wakes the accept()
+        self._listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def _s3_volume(image_dir, s3_server, name: str, endpoint: str) -> Volume:
+    prefix = f"{s3_server.bucket}/volumes/{name}"
+    pafs.copy_files(image_dir, prefix, source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=s3_server.filesystem())
+    return Volume(f"s3://{prefix}", endpoint=endpoint, access_key=s3_server.access_key,
+                  secret_key=s3_server.secret_key)
+
+
+def test_s3_errors_retrying_cannot_fix_name_the_file_at_once(image_dir, s3_server, tmp_path, caplog):
+    volume = _s3_volume(image_dir, s3_server, "vanishing", f"http://{s3_server.endpoint}")
+    gone = volume.files[3]
+    s3_server.filesystem().delete_file(f"{volume.root}/{gone.path}")
+    with pytest.raises(VolumeError, match=f"{gone.path} failed: GET .* answered 404"):
+        volume.download(gone.path, str(tmp_path / "x"))
+    assert "retrying" not in caplog.text  # a missing object is not retried
+    assert volume.download(volume.files[0].path, str(tmp_path / "y")) == volume.files[0].size
+
+
+def test_transient_s3_failures_are_retried_then_name_the_file(image_dir, s3_server, tmp_path, caplog):
+    host, port = s3_server.endpoint.split(":")
+    forwarder = TcpForwarder((host, int(port)))
+    volume = _s3_volume(image_dir, s3_server, "flaky", f"http://127.0.0.1:{forwarder.port}")
+    first = volume.files[0]
+    assert volume.download(first.path, str(tmp_path / "ok")) == first.size
+    forwarder.close()  # the endpoint goes away: a kept-alive connection breaks, new ones are refused
+    with pytest.raises(VolumeError, match=f"{volume.files[1].path} failed after 4 attempts"):
+        volume.download(volume.files[1].path, str(tmp_path / "broken"))
+    assert caplog.text.count("retrying in") == 3
 
 
 # --- the exact position --------------------------------------------------------------------------

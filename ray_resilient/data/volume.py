@@ -12,6 +12,9 @@ from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import urllib3
+
+from ray_resilient.data.s3_get import S3RequestError, SignedGetReader
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,21 @@ class VolumeFile:
     label: int = -1
 
 
+def _s3_settings(
+    endpoint: str | None = None,
+    region: str | None = None,
+    access_key: str | None = None,
+    secret_key: str | None = None,
+) -> tuple[str | None, str, str | None, str | None]:
+    """(endpoint URL, region, access key, secret key) of an ``s3://`` volume: arguments, else environment."""
+    endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint and "://" not in endpoint:
+        endpoint = f"https://{endpoint}"
+    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return (endpoint, region, access_key or os.environ.get("AWS_ACCESS_KEY_ID"),
+            secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY"))
+
+
 def open_filesystem(
     uri: str,
     *,
@@ -44,18 +62,15 @@ def open_filesystem(
 
     For ``s3://`` the endpoint, region and credentials come from the arguments, else from
     ``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` and
-    ``AWS_SECRET_ACCESS_KEY``. Schemes pyarrow does not know go through fsspec.
+    ``AWS_SECRET_ACCESS_KEY`` (without keys: the AWS default chain). Schemes pyarrow does not know
+    go through fsspec.
     """
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
-        endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
-        options: dict = {
-            "region": region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-            "access_key": access_key or os.environ.get("AWS_ACCESS_KEY_ID"),
-            "secret_key": secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY"),
-        }
+        endpoint, region, access_key, secret_key = _s3_settings(endpoint, region, access_key, secret_key)
+        options: dict = {"region": region, "access_key": access_key, "secret_key": secret_key}
         if endpoint:
-            endpoint_url = urlparse(endpoint if "://" in endpoint else f"https://{endpoint}")
+            endpoint_url = urlparse(endpoint)
             options.update(endpoint_override=endpoint_url.netloc, scheme=endpoint_url.scheme)
         return pafs.S3FileSystem(**options), f"{parsed.netloc}{parsed.path}".rstrip("/")
     if parsed.scheme in ("", "file"):
@@ -80,6 +95,9 @@ class Volume:
         retries: attempts per read on a transient storage error, with exponential backoff.
         filesystem: use this filesystem with ``uri`` as the path on it (e.g. a configured
             ``S3FileSystem``); else it is derived from ``uri`` (see :func:`open_filesystem`).
+
+    Files of an ``s3://`` volume opened from its URI are downloaded with one signed GET each
+    (:mod:`ray_resilient.data.s3_get`); everything else, listing included, goes through pyarrow.
     """
 
     def __init__(
@@ -94,8 +112,12 @@ class Volume:
         **filesystem_options: str,
     ):
         self.uri = uri
+        self._signed_get: SignedGetReader | None = None
         if filesystem is None:
             self.filesystem, self.root = open_filesystem(uri, **filesystem_options)
+            if urlparse(uri).scheme == "s3":
+                endpoint, region, access_key, secret_key = _s3_settings(**filesystem_options)
+                self._signed_get = SignedGetReader(region, endpoint, access_key, secret_key)
         else:
             self.filesystem, self.root = filesystem, uri.rstrip("/")
         self.retries = retries
@@ -155,16 +177,20 @@ class Volume:
         """Stream the file at ``path`` (relative) into the local file ``dest``; returns its size.
 
         Transient storage errors are retried with exponential backoff, then raise VolumeError
-        naming the file.
+        naming the file; an S3 error that retrying cannot fix (e.g. 403, 404) raises at once.
         """
         full = f"{self.root}/{path}"
         attempt = 1
         while True:
             try:
+                if self._signed_get is not None:
+                    return self._signed_get.download(full, dest)
                 with self.filesystem.open_input_stream(full) as src, open(dest, "wb") as dst:
                     shutil.copyfileobj(src, dst, _CHUNK)
                     return dst.tell()
-            except OSError as err:
+            except (OSError, urllib3.exceptions.HTTPError) as err:
+                if isinstance(err, S3RequestError) and not err.retryable:
+                    raise VolumeError(f"reading {self.uri}/{path} failed: {err}") from err
                 if attempt >= self.retries:
                     raise VolumeError(f"reading {full} failed after {self.retries} attempts: {err}") from err
                 delay = 0.1 * 2 ** (attempt - 1)

@@ -1,0 +1,101 @@
+"""Downloading an S3 object with one signed GET.
+
+pyarrow's S3 client opens every object with a HEAD (for its size) before the GET. For a dataset
+of small files (a JPEG of tens of KB) that doubles the requests, the round trips and the server's
+work per sample, and the client's CPU per file (``benchmarks/data_throughput.py``). The volume
+already knows every size from its listing, so a file is one GET here: SigV4-signed by botocore,
+sent over a pool of kept-alive connections (urllib3), streamed to disk.
+"""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import quote
+
+import urllib3
+from botocore.auth import SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+from botocore.session import get_session
+
+_CHUNK = 1 << 20
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class S3RequestError(OSError):
+    """An S3 GET answered with an error status; ``retryable`` for throttling and server errors."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+        self.retryable = status in RETRYABLE_STATUS
+
+
+class SignedGetReader:
+    """One SigV4-signed GET per object, over kept-alive connections.
+
+    Args:
+        region: the bucket's region (signed into every request).
+        endpoint: an S3-compatible endpoint (``http://host:port``); path-style addressing. None:
+            AWS (``https://s3.<region>.amazonaws.com``, path-style).
+        access_key, secret_key: credentials; None: botocore's default chain (environment,
+            config files, instance or container roles), resolved per request so rotating role
+            credentials stay valid.
+        max_connections: kept-alive connections (about the number of threads downloading).
+    """
+
+    def __init__(self, region: str, endpoint: str | None = None, access_key: str | None = None,
+                 secret_key: str | None = None, max_connections: int = 32):
+        self.region = region
+        self.endpoint = endpoint.rstrip("/") if endpoint else f"https://s3.{region}.amazonaws.com"
+        self._static = Credentials(access_key, secret_key) if access_key and secret_key else None
+        self.max_connections = max_connections
+        self._pool: urllib3.PoolManager | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_pool=None, _lock=None)  # per process: rebuilt on first use
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _credentials(self) -> Credentials:
+        if self._static is not None:
+            return self._static
+        credentials = get_session().get_credentials()
+        if credentials is None:
+            raise S3RequestError("no AWS credentials found (arguments, environment, config files or roles)", 403)
+        return credentials.get_frozen_credentials()
+
+    def _connections(self) -> urllib3.PoolManager:
+        with self._lock:
+            if self._pool is None:
+                self._pool = urllib3.PoolManager(maxsize=self.max_connections, retries=False,
+                                                 timeout=urllib3.Timeout(connect=10, read=60))
+            return self._pool
+
+    def download(self, bucket_and_key: str, dest: str) -> int:
+        """GET ``bucket/key`` into the local file ``dest``; returns the bytes written.
+
+        Raises S3RequestError for an error status, urllib3's errors for connection failures.
+        """
+        bucket, _, key = bucket_and_key.partition("/")
+        url = f"{self.endpoint}/{quote(bucket)}/{quote(key, safe='/~')}"
+        request = AWSRequest(method="GET", url=url)
+        SigV4Auth(self._credentials(), "s3", self.region).add_auth(request)
+        response = self._connections().request("GET", url, headers=dict(request.headers.items()),
+                                                preload_content=False)
+        try:
+            if response.status != 200:
+                detail = response.read(2000).decode(errors="replace")
+                raise S3RequestError(f"GET {url} answered {response.status}: {detail}", response.status)
+            written = 0
+            with open(dest, "wb") as out:
+                for chunk in response.stream(_CHUNK):
+                    written += out.write(chunk)
+            return written
+        finally:
+            response.release_conn()
