@@ -6,16 +6,17 @@ function's modules. On a busy node that is most of a recovery (``benchmarks/reco
 Ray's worker pool gives a new actor an idle worker process of the same job and runtime
 environment when one is there. So once an attempt has completed its first step, local rank 0
 of each node asks its raylet (Ray's ``PrestartWorkers`` RPC) for as many idle workers as the
-node runs ranks, with this worker's runtime environment, kept alive for :data:`KEEP_ALIVE_S`
-(and asked for again every :data:`SPARE_REFRESH_S`, so a long attempt always has some). Each
+node runs ranks, with this worker's runtime environment, exempt from Ray's idle-worker reaper
+for :data:`KEEP_ALIVE_S`. Each
 of them imports the preload modules as it starts (Ray's worker process setup hook, set through
 ``RunConfig(worker_runtime_env=...)`` by :func:`worker_env`). The next restart's actors take
 them and start in a fraction of a second; their replacements are asked for once that attempt
 trains.
 
-Costs: every spare is an idle process with torch imported (a few hundred MB of host memory), and
-starting one takes a few CPU seconds on the node while training goes on. Spares end with the
-job. This uses Ray internals (the RPC and the setup hook's environment variable); when the
+Costs: every spare is an idle process with torch, Ray Train and ray_resilient imported (about
+0.7 GB of host memory), and starting one takes a few CPU seconds on the node while training goes
+on. Each attempt asks once, and the next restart consumes them, so a node keeps one spare per
+rank; spares end with the job. This uses Ray internals (the RPC and the setup hook's environment variable); when the
 request fails, a warning is logged and training goes on without spares.
 """
 
@@ -31,8 +32,7 @@ logger = logging.getLogger(__name__)
 SPARE_WORKERS_ENV = "RAY_RESILIENT_SPARE_WORKERS"  # "1": CheckpointManager asks for spares
 PRELOAD_ENV = "RAY_RESILIENT_PRELOAD_MODULES"  # comma-separated modules a spare imports at start
 DEFAULT_PRELOAD_MODULES = ("torch", "ray.train.torch", "ray_resilient")
-KEEP_ALIVE_S = 600  # Ray's idle-worker reaper leaves a spare alone this long (then keeps up to num_cpus idle)
-SPARE_REFRESH_S = 540  # CheckpointManager asks for new spares this often, before the last ones may be reaped
+KEEP_ALIVE_S = 24 * 3600  # Ray's idle-worker reaper leaves a spare alone this long (then keeps up to num_cpus idle)
 _SETUP_HOOK = f"{__name__}.preload_modules"
 
 preloaded: list[str] = []  # modules this process imported through preload_modules()

@@ -38,7 +38,7 @@ from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.planner import interval_steps_for
 from ray_resilient.goodput.recorder import GoodputRecorder, MetricsLogger
-from ray_resilient.spare_workers import SPARE_REFRESH_S, spares_enabled, start_spare_workers
+from ray_resilient.spare_workers import spares_enabled, start_spare_workers
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class CheckpointManager:
         self.failed_saves = 0  # saves that did not become durable
         self.checkpoints_committed = 0  # saves of this attempt every rank made durable
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
-        self._spares_due = 0.0  # time.monotonic() when spare workers are to be asked for (again)
+        self._spares_requested = False
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -226,7 +226,7 @@ class CheckpointManager:
         self._step_seconds.append(ended - self._mark)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
-        if time.monotonic() >= self._spares_due:
+        if not self._spares_requested:
             self._request_spare_workers()
         if self._save_due(state.step):
             self._checkpoint(metrics or {})
@@ -268,9 +268,8 @@ class CheckpointManager:
     # --- internals ---------------------------------------------------------------------------
 
     def _request_spare_workers(self) -> None:
-        """Once this attempt trains, and before earlier spares expire, start warm processes for the next
-        restart (see :mod:`ray_resilient.spare_workers`)."""
-        self._spares_due = time.monotonic() + SPARE_REFRESH_S
+        """Once this attempt trains, start warm processes for the next restart (:mod:`ray_resilient.spare_workers`)."""
+        self._spares_requested = True
         context = ray.train.get_context()
         if spares_enabled() and context.get_local_rank() == 0:
             start_spare_workers(context.get_local_world_size())

@@ -1,0 +1,31 @@
+"""Spare worker configuration and the preload hook (the restart itself: test_chaos)."""
+
+from __future__ import annotations
+
+import pytest
+from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+from ray_resilient import recommended_ray_config, spare_workers
+
+
+def test_the_recommended_config_gives_workers_the_preload_hook_and_turns_spares_on():
+    config = recommended_ray_config("run", "/tmp/storage", workers=2, preload=("torch", "torchvision"))
+    env = config.run_config.worker_runtime_env["env_vars"]
+    assert env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] == "ray_resilient.spare_workers.preload_modules"
+    assert env[spare_workers.PRELOAD_ENV] == "torch,torchvision"
+    assert env[spare_workers.SPARE_WORKERS_ENV] == "1"
+    off = recommended_ray_config("run", "/tmp/storage", workers=2, spare_workers=False)
+    assert not off.run_config.worker_runtime_env
+
+
+def test_preload_names_that_cannot_be_passed_are_refused():
+    with pytest.raises(ValueError, match="without commas"):
+        spare_workers.worker_env(("torch,torchvision",))
+
+
+def test_a_module_that_fails_to_preload_is_logged_and_skipped(monkeypatch, caplog):
+    monkeypatch.setenv(spare_workers.PRELOAD_ENV, "json,ray_resilient_no_such_module,csv")
+    monkeypatch.setattr(spare_workers, "preloaded", [])
+    spare_workers.preload_modules()
+    assert spare_workers.preloaded == ["json", "csv"]
+    assert "Could not preload ray_resilient_no_such_module" in caplog.text
