@@ -164,6 +164,6 @@ def recommended_ray_config(
         storage_filesystem=storage_filesystem,
         failure_config=FailureConfig(max_failures=max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
-        worker_runtime_env={"env_vars": worker_env(preload)} if spare_workers else None,
+        worker_runtime_env={"env_vars": worker_env(preload, scaling.num_cpus_per_worker)} if spare_workers else None,
     )
     return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})})

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 from collections.abc import Sequence
 
@@ -38,14 +39,20 @@ _SETUP_HOOK = f"{__name__}.preload_modules"
 preloaded: list[str] = []  # modules this process imported through preload_modules()
 
 
-def worker_env(preload: Sequence[str] = DEFAULT_PRELOAD_MODULES) -> dict[str, str]:
-    """Environment for Ray Train's workers: spares on, and every worker process imports ``preload`` at start."""
+def worker_env(preload: Sequence[str] = DEFAULT_PRELOAD_MODULES, cpus_per_worker: float = 1) -> dict[str, str]:
+    """Environment for Ray Train's workers: spares on, and every worker process imports ``preload`` at start.
+
+    It also sets ``OMP_NUM_THREADS`` as Ray would for a worker with ``cpus_per_worker`` CPUs (at
+    least 1): Ray sets it when the worker's actor starts, after the preload has imported torch,
+    which sizes its thread pool from it.
+    """
     from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
 
     for name in preload:
         if not name or "," in name:
             raise ValueError(f"preload module names must be non-empty and without commas, got {name!r}")
-    return {SPARE_WORKERS_ENV: "1", PRELOAD_ENV: ",".join(preload), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: _SETUP_HOOK}
+    return {SPARE_WORKERS_ENV: "1", PRELOAD_ENV: ",".join(preload), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: _SETUP_HOOK,
+            "OMP_NUM_THREADS": str(max(math.floor(cpus_per_worker), 1))}
 
 
 def preload_modules() -> None:

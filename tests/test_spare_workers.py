@@ -14,6 +14,9 @@ def test_the_recommended_config_gives_workers_the_preload_hook_and_turns_spares_
     assert env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] == "ray_resilient.spare_workers.preload_modules"
     assert env[spare_workers.PRELOAD_ENV] == "torch,torchvision"
     assert env[spare_workers.SPARE_WORKERS_ENV] == "1"
+    assert env["OMP_NUM_THREADS"] == "1"  # as Ray sets it for a 1-CPU worker, before torch is imported
+    wide = recommended_ray_config("run", "/tmp/storage", workers=2, resources_per_worker={"CPU": 4.5})
+    assert wide.run_config.worker_runtime_env["env_vars"]["OMP_NUM_THREADS"] == "4"
     off = recommended_ray_config("run", "/tmp/storage", workers=2, spare_workers=False)
     assert not off.run_config.worker_runtime_env
 
