@@ -65,13 +65,13 @@ Machine
     median step and the wall time each needed for the same steps.
 
 Result (defaults, ``--seed 0``, 2026-11-29; other users' processes used 0.01 cores): the table
-    and both timelines are in ``docs/goodput_chaos.md``. In short: goodput 0.822 against 0.450
-    (ratio 1.82, target 1.5: met), predicted 0.846 (|difference| 0.023, target 0.05: met). The
-    naive run lost 31.7% of its wall time to 144 steps trained again (each restore went back to
-    the start of an epoch) and 9.9% to 1.4 s save stalls; ray_resilient 3.1% and 1.9%. Restarts:
-    6.2 s against 8.6 s (median; spare workers). Caveat of 2 cores: ray_resilient's background
-    writes slow its steps (median 1.118 s against 0.767 s), which the ledger counts as
-    productive; the wall time for the same 200 steps is naive / resilient = 1.17.
+    and both timelines are in ``docs/goodput_chaos.md``. In short: goodput 0.812 against 0.418
+    (ratio 1.94, target 1.5: met), predicted 0.856 (|difference| 0.044, target 0.05: met). The
+    naive run lost 34.0% of its wall time to 166 steps trained again (each restore went back to
+    the start of an epoch) and 11.3% to 2.0 s save stalls; ray_resilient 2.6% and 2.3%. Restarts:
+    5.9 s against 9.2 s (median; spare workers). Caveat of 2 cores: ray_resilient's background
+    writes slow its steps (median 0.922 s against 0.809 s), which the ledger counts as
+    productive; the wall time for the same 200 steps is naive / resilient = 1.64.
 
 The last line printed is the summary the issue asks for::
 

@@ -80,19 +80,21 @@ Result and what dominates (defaults, ``--seed 0``: 5 kills, all of rank 1, in 30
     otherwise quiet machine (2026-11-29)::
 
                           without spares   with spares (default)
-        recovery (median)     8.01 s          4.14 s    (ratio 0.52)
-        detect                0.34            0.06
-        restart               5.34            1.29      actors 2.14 -> 0.19, context 2.48 -> 0.09
-        setup                 2.15            2.30      imports 1.41 -> 0.00, model 0.74 -> 2.30
-        restore               0.060           0.101
-        first step            0.060           0.118
+        recovery (median)     8.52 s          4.52 s    (ratio 0.53)
+        detect                0.16            0.22
+        restart               5.44            1.24      actors 2.35 -> 0.15, context 2.66 -> 0.08
+        setup                 2.43            2.77      imports 1.65 -> 0.00, model 0.86 -> 2.76
+        restore               0.056           0.075
+        first step            0.059           0.061
         recomputed steps      13              13        (at most 18, under the 20-step interval)
+
+    (An earlier run the same day, before the spares' ``OMP_NUM_THREADS`` fix: 8.01 s and 4.14 s.)
 
     Without spares, Ray Train restarting the whole worker group as new processes dominates:
     ``actors`` (a new Ray worker process per rank) and ``context`` (it imports torch and Ray
     Train), then the train function's own imports. With spares, the new actors land on idle
     processes that already imported all of that: ``restart`` is mostly stopping the old group and
-    the new placement group (``stop+pg`` 0.9 s). What is left is ``model`` (2.3 s): building the
+    the new placement group (``stop+pg`` 0.5 s). What is left is ``model`` (2.8 s): building the
     model, ``prepare_model`` (DDP's first broadcast over a new gloo group) and lazily imported
     torch parts, on cores shared with the spares' replacements starting; then ``stop+pg``.
     Detection is bounded by the health check (0.5 s); restoring 4.4 MB (0.1 s) and the data
