@@ -98,6 +98,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,22 @@ class Job:
         loss.backward()
         self.optimizer.step()
 
+    def train(self, epoch: int, step: int, step_completed: Callable[[int, int], None]) -> tuple[int, int]:
+        """Train from ``epoch`` (the data already positioned) until ``max_steps``: each step is logged,
+        handed to ``step_completed(step, epoch)``, then checked for a due kill. Returns (step, epoch)."""
+        for epoch in range(epoch, self.epochs):
+            if step >= self.config["max_steps"]:
+                break
+            for ids, x, y in self.data:
+                self.train_step(x, y)
+                step += 1
+                self.log(step=step, epoch=epoch, ids=ids.tolist())
+                step_completed(step, epoch)
+                self.kills.check(step)
+                if step >= self.config["max_steps"]:
+                    break
+        return step, epoch
+
 
 def train_resilient(config: dict[str, Any]) -> None:
     """ray_resilient: sharded async DCP checkpoints at the planner's interval, exact data position."""
@@ -236,19 +253,8 @@ def train_resilient(config: dict[str, Any]) -> None:
     with CheckpointManager(job.model, job.optimizer, data=job.data, interval_steps="auto", mtbf_s=config["mtbf_s"],
                            seed=config["seed"], faults="", goodput_logger=None) as ckpt:
         state = ckpt.restore()
-        step = state.step
-        job.log(restored=step, epoch=state.epoch, consumed=job.data.consumed)
-        for epoch in range(state.epoch, job.epochs):
-            if step >= config["max_steps"]:
-                break
-            for ids, x, y in job.data:
-                job.train_step(x, y)
-                step += 1
-                job.log(step=step, epoch=epoch, ids=ids.tolist())
-                ckpt.step_completed(epoch)
-                job.kills.check(step)
-                if step >= config["max_steps"]:
-                    break
+        job.log(restored=state.step, epoch=state.epoch, consumed=job.data.consumed)
+        step, _ = job.train(state.epoch, state.step, lambda _step, epoch: ckpt.step_completed(epoch))
         ckpt.finish()
     job.log(finished=step)
 
@@ -372,18 +378,7 @@ def train_naive(config: dict[str, Any]) -> None:
     start_epoch = step // job.data.batches_per_epoch
     job.data.load_state_dict({"epoch": start_epoch, "consumed": 0})
     job.log(restored=saved, resumed=step, epoch=start_epoch, consumed=0)
-    epoch = start_epoch
-    for epoch in range(start_epoch, job.epochs):
-        if step >= config["max_steps"]:
-            break
-        for ids, x, y in job.data:
-            job.train_step(x, y)
-            step += 1
-            job.log(step=step, epoch=epoch, ids=ids.tolist())
-            ckpt.step_completed(step, epoch)
-            job.kills.check(step)
-            if step >= config["max_steps"]:
-                break
+    step, epoch = job.train(start_epoch, step, ckpt.step_completed)
     ckpt.finish(step, epoch)
     job.log(finished=step)
 
