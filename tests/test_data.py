@@ -11,9 +11,11 @@ import subprocess
 import sys
 import textwrap
 import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -305,6 +307,50 @@ def test_a_file_evicted_from_the_window_by_another_process_is_downloaded_again(i
     assert (cache.stats.hits, cache.stats.misses) == (8, 8 + 7)
 
 
+def test_a_failed_download_in_the_download_process_names_the_file(image_dir, tmp_path):
+    root = tmp_path / "volume"
+    for file in Volume(image_dir).files[:4]:
+        (root / file.path).parent.mkdir(parents=True, exist_ok=True)
+        (root / file.path).write_bytes((Path(image_dir) / file.path).read_bytes())
+    volume = Volume(str(root))
+    gone = volume.files[2]
+    (root / gone.path).unlink()  # after the listing: the download fails, retried, in the child
+    prefetcher = Prefetcher(volume, FileCache(str(tmp_path / "cache")), threads=2, max_files=4, max_bytes=1 << 30)
+    prefetcher.restart(iter(range(4)))
+    assert [bytes(prefetcher.read(i, read_bytes).numpy()) for i in (0, 1)] == [
+        (root / f.path).read_bytes() for f in volume.files[:2]]
+    with pytest.raises(VolumeError, match=f"{gone.path} failed after 4 attempts"):
+        prefetcher.read(2, read_bytes)
+    prefetcher.close()
+
+
+def test_the_download_process_exits_with_its_worker(image_dir, tmp_path):
+    """SIGKILL the process that owns a Prefetcher: its download process sees the socket close and exits."""
+    cache_dir = tmp_path / "cache"
+    script = textwrap.dedent(f"""
+        import sys
+        from ray_resilient.data import FileCache, Volume
+        from ray_resilient.data.prefetch import Prefetcher
+        volume = Volume({image_dir!r})
+        prefetcher = Prefetcher(volume, FileCache({str(cache_dir)!r}), threads=2, max_files=8, max_bytes=1 << 30)
+        prefetcher.restart(iter(range(len(volume.files))))
+        prefetcher.read(0, lambda path: None)
+        print("read", flush=True)
+        sys.stdin.read()
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline() == "read\n"
+        (download_process,) = psutil.Process(owner.pid).children()
+        assert download_process.nice() > psutil.Process(owner.pid).nice()  # decoding comes first
+    finally:
+        owner.kill()
+        owner.wait()
+    download_process.wait(timeout=30)  # raises psutil.TimeoutExpired if it outlives its worker
+    leftovers = [p.name for p in cache_dir.rglob("*") if ".tmp-" in p.name]
+    assert leftovers == []
+
+
 def test_a_download_killed_midway_leaves_no_corrupt_cached_file(tmp_path):
     """SIGKILL a process while it streams a file into the cache (from a FIFO it blocks on)."""
     source = tmp_path / "volume"
@@ -387,29 +433,36 @@ def test_loader_logs_fetch_seconds_and_cache_metrics_to_mlflow(image_dir, tmp_pa
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     volume = Volume(image_dir)
     dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=GLOBAL_BATCH, seed=1)
-    loader = VolumeDataLoader(dataset, num_workers=2, log_every=2,
-                              metrics_logger=MlflowMetrics("data-run", tracking_uri=uri, prefix="data/"))
+    mlflow_metrics, reported = MlflowMetrics("data-run", tracking_uri=uri, prefix="data/"), []
+
+    def log(metrics: dict[str, float], step: int) -> None:
+        reported.append(metrics)
+        mlflow_metrics(metrics, step)
+
+    loader = VolumeDataLoader(dataset, num_workers=2, log_every=2, metrics_logger=log)
     list(loader)
     again = MlflowMetrics("data-run", tracking_uri=uri)  # a restarted attempt finds the same run
     history = again.client.get_metric_history(again.run_id, "data/fetch_seconds")
     assert [m.step for m in history] == [2, 4, 6, 8, 10]
     assert all(m.value >= 0 for m in history)
     misses = again.client.get_metric_history(again.run_id, "data/cache_misses")
-    assert misses[-1].value == loader.metrics.cache.misses > 0
+    assert [m.value for m in misses] == [r["cache_misses"] for r in reported]
+    assert 0 < misses[-1].value <= loader.metrics.cache.misses
 
 
 def test_fsspec_url_volume(image_dir, tmp_path):
-    import fsspec
-
-    memory = fsspec.filesystem("memory")
-    for file in Volume(image_dir).files[:12]:
-        memory.pipe(f"/shapes-mem/{file.path}", open(os.path.join(image_dir, file.path), "rb").read())
-    volume = Volume("memory://shapes-mem")
+    """A volume inside a zip archive, through fsspec's chained URLs (pyarrow knows neither)."""
+    archive = tmp_path / "shapes.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:
+        for file in Volume(image_dir).files[:12]:
+            zipped.write(os.path.join(image_dir, file.path), f"shapes/{file.path}")
+    volume = Volume(f"zip://shapes::file://{archive}")
     assert [f.path for f in volume.files] == [f.path for f in Volume(image_dir).files[:12]]
-    # One download thread: fsspec's memory filesystem hands every reader the same file object.
-    dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=4, seed=1, prefetch_threads=1)
+    dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=4, seed=1)
     ids = [i for b in VolumeDataLoader(dataset, num_workers=0) for i in b.sample_ids.tolist()]
     assert sorted(ids) == list(range(12))
+    cached = [(tmp_path / "cache" / f.path).read_bytes() for f in volume.files]
+    assert cached == [(Path(image_dir) / f.path).read_bytes() for f in volume.files]
 
 
 def test_loader_logs_to_mlflow_on_rank_0_by_default(image_dir, tmp_path):

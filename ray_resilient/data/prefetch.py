@@ -1,16 +1,16 @@
-"""Prefetching upcoming files into the cache on a thread pool, in plan order, bounded in files and bytes."""
+"""Prefetching upcoming files into the cache, in plan order, bounded in files and bytes."""
 
 from __future__ import annotations
 
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
 from ray_resilient.data.cache import FileCache
-from ray_resilient.data.volume import Volume
+from ray_resilient.data.download_process import DownloadProcess, Fetched
+from ray_resilient.data.volume import Volume, VolumeError
 
 T = TypeVar("T")
 
@@ -18,15 +18,8 @@ T = TypeVar("T")
 @dataclass
 class _Slot:
     sample: int
-    cached: str | Future[str]  # the cached path, or its download in flight
+    cached: str | int  # the cached path, or the ticket of its download in flight
     pin: int | None
-
-    def path(self) -> str:
-        return self.cached if isinstance(self.cached, str) else self.cached.result()
-
-    def cancel(self) -> None:
-        if not isinstance(self.cached, str):
-            self.cached.cancel()
 
 
 class Prefetcher:
@@ -34,13 +27,14 @@ class Prefetcher:
 
     The window holds at most ``max_files`` files and ``max_bytes`` bytes (at least one file). Files
     in the window are pinned in the cache until consumed. :meth:`restart` switches to a new stream
-    (the next epoch) and keeps whatever of the old window the new one starts with.
+    (the next epoch) and keeps whatever of the old window the new one starts with. Downloads run
+    ``threads`` at a time in a :class:`DownloadProcess`, started at the first cache miss.
     """
 
     def __init__(self, volume: Volume, cache: FileCache, threads: int, max_files: int, max_bytes: int):
-        self.volume, self.cache = volume, cache
+        self.volume, self.cache, self.threads = volume, cache, threads
         self.max_files, self.max_bytes = max_files, max_bytes
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ray_resilient_prefetch")
+        self._downloads: DownloadProcess | None = None
         self._window: deque[_Slot] = deque()
         self._window_bytes = 0
         self._stream: Iterator[int] = iter(())
@@ -55,8 +49,7 @@ class Prefetcher:
         self._fill(reusable)
         for slots in reusable.values():
             for slot in slots:
-                slot.cancel()
-                self.cache.unpin(slot.pin)
+                self._cancel(slot)
 
     def read(self, sample: int, reader: Callable[[str], T]) -> T:
         """``reader(cached path)`` of ``sample``, the stream's next one, then unpins it.
@@ -68,9 +61,11 @@ class Prefetcher:
         if slot.sample != sample:
             raise RuntimeError(f"prefetch stream out of order: expected sample {slot.sample}, asked for {sample}")
         self._window_bytes -= self.volume.files[sample].size
+        if self._downloads is not None:
+            self._downloads.poll()  # count finished downloads as they finish, not as they are read
         self._fill({})
         try:
-            path = slot.path()
+            path = self._path(slot)
             try:
                 return reader(path)
             except Exception:
@@ -95,16 +90,48 @@ class Prefetcher:
         file = self.volume.files[sample]
         pin = self.cache.pin(file.path)
         cached = self.cache.lookup(file.path, file.size)
-        # a hit is one stat: handing it to a thread would cost more than it
-        return _Slot(sample, self._pool.submit(self._fetch, sample) if cached is None else cached, pin)
+        # a hit is one stat: handing it to the download process would cost more than it
+        return _Slot(sample, self._download(file.path, file.size) if cached is None else cached, pin)
+
+    def _download(self, path: str, size: int) -> int:
+        if self._downloads is None:
+            self._downloads = DownloadProcess(self.volume, self.cache, self.threads, self._count)
+        return self._downloads.submit(path, size)
+
+    def _path(self, slot: _Slot) -> str:
+        """The slot's cached path, once its download (if any) is done."""
+        if isinstance(slot.cached, str):
+            return slot.cached
+        assert self._downloads is not None
+        fetched = self._downloads.wait(slot.cached)
+        if fetched.error is not None:
+            raise VolumeError(fetched.error)
+        slot.cached = self.cache.path(self.volume.files[slot.sample].path)
+        return slot.cached
+
+    def _count(self, fetched: Fetched) -> None:
+        stats = self.cache.stats
+        if fetched.downloaded:
+            stats.misses += 1
+            stats.bytes_downloaded += fetched.size
+            stats.download_seconds += fetched.seconds
+        else:
+            stats.hits += 1
 
     def _fetch(self, sample: int) -> str:
+        """Download ``sample`` again now (another process evicted it from an unpinned window)."""
         file = self.volume.files[sample]
-        return self.cache.fetch(file.path, file.size, lambda dest: self.volume.download(file.path, dest))
+        return self._path(_Slot(sample, self._download(file.path, file.size), None))
+
+    def _cancel(self, slot: _Slot) -> None:
+        if not isinstance(slot.cached, str) and self._downloads is not None:
+            self._downloads.cancel(slot.cached)
+        self.cache.unpin(slot.pin)
 
     def close(self) -> None:
         for slot in self._window:
-            slot.cancel()
-            self.cache.unpin(slot.pin)
+            self._cancel(slot)
         self._window.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._downloads is not None:
+            self._downloads.close()
+            self._downloads = None
