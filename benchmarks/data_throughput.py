@@ -16,9 +16,9 @@ Setup
     (default 2: the machine's cores), ``--batch`` samples per batch (default 64), prefetch_factor
     4, persistent workers, no pinned memory, and the same decode (``torchvision.io.decode_image``)
     and transform (``ray_resilient.data.default_transform(size)``: random resized crop, flip,
-    to float). ray_resilient runs with ``--prefetch-threads`` 16 downloads and a
-    ``--prefetch-files`` 256-file window per worker (the defaults, 8 and 64, leave it
-    latency-bound) and no metrics logger.
+    to float). ray_resilient runs with ``--prefetch-threads`` 16 downloads (in each worker's
+    download process) and a ``--prefetch-files`` 256-file window per worker (the defaults, 8 and
+    64, leave it latency-bound) and no metrics logger.
 
 Rows
     naive S3      a map-style ``torch.utils.data.Dataset`` whose ``__getitem__`` opens the file on
@@ -59,26 +59,35 @@ Machine
     cached download (GET, temp file, rename) costs the client 0.70 ms of CPU through the signed
     GET against 1.11 ms through pyarrow, and takes 1.5 ms against 2.9 ms of the whole machine.
 
-Results (2026-11-29, defaults)::
+Results (2026-11-30, defaults)::
 
     row           what                                       samples seconds samples/s fetch share
-    naive S3      plain Dataset, every file from S3              512   12.11        42
-    cold S3       ray_resilient epoch 1, empty cache            3968    3.90      1018       0.974
-    warm S3       ray_resilient later epochs, cached (best)     3968    0.84      4710       0.919
-    naive local   plain Dataset, local files: ceiling (best)    3968    0.76      5202
-    warm local    ray_resilient over local files (best)         3968    0.83      4807       0.917
-    cold S3+step  ray_resilient epoch 1 + step, empty cache     3968    6.88       576       0.085
-    warm S3+step  ray_resilient later epoch + step, cached      3968    6.36       624       0.018
-    cold_vs_naive=24.09 warm_vs_local=0.905 fetch_share=0.085
+    naive S3      plain Dataset, every file from S3              512   11.96        43
+    cold S3       ray_resilient epoch 1, empty cache            3968    5.16       770       0.984
+    warm S3       ray_resilient later epochs, cached (best)     3968    0.56      7082       0.875
+    naive local   plain Dataset, local files: ceiling (best)    3968    0.51      7776
+    warm local    ray_resilient over local files (best)         3968    0.60      6662       0.880
+    cold S3+step  ray_resilient epoch 1 + step, empty cache     3968    6.45       615       0.029
+    warm S3+step  ray_resilient later epoch + step, cached      3968    6.35       625       0.017
+    cold_vs_naive=17.98 warm_vs_local=0.911 fetch_share=0.029
 
-    Before the signed GET (pyarrow's HEAD + GET, 32 threads) cold S3 was 557 samples/s
-    (cold_vs_naive 17.5) and the cold fetch share 0.110. The cold fetch share misses the 0.05
-    target although a cold epoch without a step delivers 1018 samples/s, 1.6x what the step
-    consumes: timing each batch of the cold+step row alone, the loop waits 15-70 ms on every
-    other batch in the first ~20 batches after the clock starts, while the two fresh workers'
-    prefetch windows fill on the shared cores, and 2-5 ms per batch after that, which is the
-    DataLoader handing over a 3 MB float batch (the warm row's 0.018). Over this 62-batch epoch
-    the start is 0.3-0.6 s of waiting, 5-9% of the loop.
+    The machine moves these by up to 2x from one minute to the next (the same code's cold S3 row
+    gave 1041 samples/s in a quiet minute and 715-800 in a busy one), so compare ratios from one run.
+
+    How the cold fetch share went from 0.055-0.15 to 0.03-0.05 (the range of repeated runs):
+    with the downloads on 16 threads in each DataLoader worker, timing each batch inside the
+    workers showed decoding a batch take 100-170 ms while a fresh prefetch window filled, against
+    8 ms alone: every torch op of the decode and augmentation releases the GIL, and getting it
+    back waits behind download threads running Python (signing, HTTP, headers). A decode loop
+    beside 16 download threads in its process took 27-35 ms a batch; beside the same downloads in
+    another process, 10-11 ms. So each worker's downloads now run in a child process at niceness
+    +10 (``ray_resilient.data.download_process``). Second, each worker stalled about 0.3 s twice
+    an epoch in full garbage collections over the objects its imports made (torch, torchvision,
+    pyarrow, botocore); ``gc.freeze()`` once the worker starts removed them. What is left is CPU:
+    during the cold epoch the 2 cores are 90% busy, the download processes using 3.2 s each
+    (1.6 ms a file, most of it creating the cache file: 0.65 ms of kernel time a file in this
+    machine's /tmp, an ext4 directory with heavy churn, against 0.05 ms in another directory on
+    the same disk), SeaweedFS 1.9 s and the proxy 0.7 s, which on a real cluster run elsewhere.
 
 The last line printed is the summary the issue asks for (fetch_share: the cold-cache one)::
 

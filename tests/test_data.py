@@ -32,6 +32,7 @@ from ray_resilient.data import (
 )
 from ray_resilient.data.dataset import read_bytes
 from ray_resilient.data.prefetch import Prefetcher
+from ray_resilient.data.volume import _s3_settings
 
 GLOBAL_BATCH = 6  # the session's image_dir volume has 69 images: an uneven count
 
@@ -178,6 +179,35 @@ def test_transient_s3_failures_are_retried_then_name_the_file(image_dir, s3_serv
     with pytest.raises(VolumeError, match=f"{volume.files[1].path} failed after 4 attempts"):
         volume.download(volume.files[1].path, str(tmp_path / "broken"))
     assert caplog.text.count("retrying in") == 3
+
+
+def test_s3_credentials_from_a_shared_credentials_file_are_resolved_once(image_dir, s3_server, tmp_path,
+                                                                         monkeypatch):
+    source = _s3_volume(image_dir, s3_server, "chain", f"http://{s3_server.endpoint}")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[default]\naws_access_key_id = {s3_server.access_key}\n"
+                           f"aws_secret_access_key = {s3_server.secret_key}\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    volume = Volume(f"s3://{source.root}", endpoint=f"http://{s3_server.endpoint}")  # no keys: the chain
+    assert volume.listing() == source.listing()
+    for i in range(3):
+        assert volume.download(volume.files[i].path, str(tmp_path / f"f{i}")) == volume.files[i].size
+    reader = volume._signed_get
+    resolved = reader._chain
+    assert resolved is not None and reader._credentials().access_key == s3_server.access_key
+    assert reader._chain is resolved  # not once per request (a botocore session costs ~5 ms)
+
+
+def test_temporary_s3_credentials_from_the_environment_keep_their_session_token(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "env-token")
+    assert _s3_settings()[2:] == ("env-key", "env-secret", "env-token")
+    # explicit keys are not paired with another identity's token from the environment
+    assert _s3_settings(access_key="mine", secret_key="my-secret")[2:] == ("mine", "my-secret", None)
 
 
 # --- the exact position --------------------------------------------------------------------------
@@ -331,6 +361,7 @@ def test_the_download_process_exits_with_its_worker(image_dir, tmp_path):
         import sys
         from ray_resilient.data import FileCache, Volume
         from ray_resilient.data.prefetch import Prefetcher
+from ray_resilient.data.volume import _s3_settings
         volume = Volume({image_dir!r})
         prefetcher = Prefetcher(volume, FileCache({str(cache_dir)!r}), threads=2, max_files=8, max_bytes=1 << 30)
         prefetcher.restart(iter(range(len(volume.files))))

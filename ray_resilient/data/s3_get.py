@@ -35,27 +35,28 @@ class SignedGetReader:
     """One SigV4-signed GET per object, over kept-alive connections.
 
     Args:
-        region: the bucket's region (signed into every request).
         endpoint: an S3-compatible endpoint (``http://host:port``); path-style addressing. None:
             AWS (``https://s3.<region>.amazonaws.com``, path-style).
-        access_key, secret_key: credentials; None: botocore's default chain (environment,
-            config files, instance or container roles), resolved per request so rotating role
-            credentials stay valid.
+        region: the bucket's region (signed into every request).
+        access_key, secret_key, session_token: credentials; None: botocore's default chain
+            (environment, config files, instance or container roles), resolved once per process;
+            role credentials refresh themselves before they expire.
         max_connections: kept-alive connections (about the number of threads downloading).
     """
 
-    def __init__(self, region: str, endpoint: str | None = None, access_key: str | None = None,
-                 secret_key: str | None = None, max_connections: int = 32):
+    def __init__(self, endpoint: str | None, region: str, access_key: str | None = None,
+                 secret_key: str | None = None, session_token: str | None = None, max_connections: int = 32):
         self.region = region
         self.endpoint = endpoint.rstrip("/") if endpoint else f"https://s3.{region}.amazonaws.com"
-        self._static = Credentials(access_key, secret_key) if access_key and secret_key else None
+        self._static = Credentials(access_key, secret_key, session_token) if access_key and secret_key else None
         self.max_connections = max_connections
         self._pool: urllib3.PoolManager | None = None
+        self._chain: Credentials | None = None  # the default chain's, once resolved in this process
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_pool=None, _lock=None)  # per process: rebuilt on first use
+        state.update(_pool=None, _chain=None, _lock=None)  # per process: rebuilt on first use
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -65,10 +66,13 @@ class SignedGetReader:
     def _credentials(self) -> Credentials:
         if self._static is not None:
             return self._static
-        credentials = get_session().get_credentials()
-        if credentials is None:
-            raise S3RequestError("no AWS credentials found (arguments, environment, config files or roles)", 403)
-        return credentials.get_frozen_credentials()
+        with self._lock:
+            if self._chain is None:  # resolving the chain costs milliseconds: once, not per request
+                self._chain = get_session().get_credentials()
+                if self._chain is None:
+                    raise S3RequestError("no AWS credentials found (arguments, environment, config files or roles)",
+                                         403)
+        return self._chain.get_frozen_credentials()
 
     def _connections(self) -> urllib3.PoolManager:
         with self._lock:

@@ -40,14 +40,21 @@ def _s3_settings(
     region: str | None = None,
     access_key: str | None = None,
     secret_key: str | None = None,
-) -> tuple[str | None, str, str | None, str | None]:
-    """(endpoint URL, region, access key, secret key) of an ``s3://`` volume: arguments, else environment."""
+    session_token: str | None = None,
+) -> tuple[str | None, str, str | None, str | None, str | None]:
+    """(endpoint URL, region, access key, secret key, session token) of an ``s3://`` volume.
+
+    Each from the arguments, else the environment; the session token of temporary credentials
+    comes from ``AWS_SESSION_TOKEN`` only with keys from the environment too.
+    """
     endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint and "://" not in endpoint:
         endpoint = f"https://{endpoint}"
     region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return (endpoint, region, access_key or os.environ.get("AWS_ACCESS_KEY_ID"),
-            secret_key or os.environ.get("AWS_SECRET_ACCESS_KEY"))
+    if access_key is None:
+        access_key, secret_key = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+        session_token = session_token or os.environ.get("AWS_SESSION_TOKEN")
+    return endpoint, region, access_key, secret_key, session_token
 
 
 def open_filesystem(
@@ -57,18 +64,21 @@ def open_filesystem(
     region: str | None = None,
     access_key: str | None = None,
     secret_key: str | None = None,
+    session_token: str | None = None,
 ) -> tuple[pafs.FileSystem, str]:
     """(filesystem, root path on it) for ``uri``.
 
     For ``s3://`` the endpoint, region and credentials come from the arguments, else from
-    ``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` and
-    ``AWS_SECRET_ACCESS_KEY`` (without keys: the AWS default chain). Schemes pyarrow does not know
-    go through fsspec.
+    ``AWS_ENDPOINT_URL``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN`` (without keys: the AWS default chain).
+    Schemes pyarrow does not know go through fsspec.
     """
     parsed = urlparse(uri)
     if parsed.scheme == "s3":
-        endpoint, region, access_key, secret_key = _s3_settings(endpoint, region, access_key, secret_key)
-        options: dict = {"region": region, "access_key": access_key, "secret_key": secret_key}
+        endpoint, region, access_key, secret_key, session_token = _s3_settings(
+            endpoint, region, access_key, secret_key, session_token)
+        options: dict = {"region": region, "access_key": access_key, "secret_key": secret_key,
+                         "session_token": session_token}
         if endpoint:
             endpoint_url = urlparse(endpoint)
             options.update(endpoint_override=endpoint_url.netloc, scheme=endpoint_url.scheme)
@@ -116,8 +126,7 @@ class Volume:
         if filesystem is None:
             self.filesystem, self.root = open_filesystem(uri, **filesystem_options)
             if urlparse(uri).scheme == "s3":
-                endpoint, region, access_key, secret_key = _s3_settings(**filesystem_options)
-                self._signed_get = SignedGetReader(region, endpoint, access_key, secret_key)
+                self._signed_get = SignedGetReader(*_s3_settings(**filesystem_options))
         else:
             self.filesystem, self.root = filesystem, uri.rstrip("/")
         self.retries = retries
