@@ -9,11 +9,11 @@ threads in its process than with them in another process (benchmarks/data_throug
 So each :class:`~ray_resilient.data.prefetch.Prefetcher` hands its downloads to a child
 process, a fresh interpreter that imports only what downloading needs (pyarrow, botocore,
 urllib3: not torch or Ray), runs ``threads`` downloads at a time, and runs at a lower CPU
-priority (:data:`NICENESS`) than the worker. They talk over a socket
-pair (a ``multiprocessing`` connection each end): ``("fetch", ticket, path, size)`` and
-``("cancel", ticket)`` one way, a :class:`Fetched` per ticket the other. The child exits once its parent closes the socket or
-dies (it reads end of file), after finishing the downloads it started: a file is complete in
-the cache or not there (see :mod:`ray_resilient.data.cache`).
+priority (:data:`NICENESS`) than the worker. They talk over a socket pair (a ``multiprocessing``
+connection each end): ``("fetch", ticket, path, size)`` and ``("cancel", ticket)`` one way, a
+:class:`Fetched` per ticket the other. The child exits once its parent closes the socket or dies
+(it reads end of file), after finishing the downloads it started: a file is complete in the
+cache or not there (see :mod:`ray_resilient.data.cache`).
 """
 
 from __future__ import annotations
