@@ -25,6 +25,11 @@ Rows
                   the S3 volume (pyarrow ``S3FileSystem.open_input_stream``, through the proxy),
                   reads, decodes and transforms it, in a shuffled ``DataLoader``. Its rate is flat,
                   so it runs ``--naive-batches`` batches, not a whole epoch.
+    Ray Data S3   Ray Data over the same S3 volume through the proxy, on a local Ray instance with
+                  ``--workers`` CPUs: ``ray.data.read_images`` (pyarrow's S3 client, PIL decode),
+                  the same transform in ``map_batches``, ``iter_torch_batches`` with 4 batches of
+                  prefetch. Ray Data has no cache, so every epoch is like this one; it runs
+                  ``--naive-batches`` batches after its first ``--workers``.
     cold S3       ``VolumeDataLoader`` over the S3 volume through the proxy: first epoch, empty cache.
     warm S3       the same loader's next epochs: every file is in the node-local cache.
     naive local   the ceiling of ``warm_vs_local``: the naive Dataset reading the local copy of the
@@ -107,7 +112,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -243,6 +248,31 @@ def resilient_loader(volume: Volume, cache_dir: str, args: argparse.Namespace) -
     return VolumeDataLoader(dataset, metrics_logger=None, **loader_options(args))
 
 
+def ray_data_rate(remote: Volume, s3_port: int, args: argparse.Namespace) -> Measurement:
+    """Ray Data reading the same S3 volume: ``read_images`` (PIL decode), the same transform in
+    ``map_batches``, ``iter_torch_batches``; on a local Ray instance with ``--workers`` CPUs."""
+    import numpy as np
+    import ray
+
+    filesystem = pafs.S3FileSystem(endpoint_override=f"{LOOPBACK}:{s3_port}", scheme="http", region="us-east-1",
+                                   access_key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                                   secret_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+    transform = default_transform(args.size)
+
+    def augment(batch: dict) -> dict:
+        images = [transform(torch.from_numpy(image).permute(2, 0, 1)) for image in batch["image"]]
+        return {"image": np.stack([image.numpy() for image in images])}
+
+    ray.init(address="local", num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
+    try:
+        dataset = ray.data.read_images(remote.root, filesystem=filesystem, mode="RGB", file_extensions=["jpg"])
+        dataset = dataset.map_batches(augment, batch_size=args.batch)
+        batches = dataset.iter_torch_batches(batch_size=args.batch, prefetch_batches=4)
+        return measure(batches, warmup=args.workers, max_batches=args.naive_batches)
+    finally:
+        ray.shutdown()
+
+
 # --- measuring -------------------------------------------------------------------------------
 
 
@@ -264,17 +294,19 @@ class Measurement:
         return None if self.fetch_seconds is None else self.fetch_seconds / self.seconds
 
 
-def measure(loader: DataLoader, *, step_seconds: float = 0.0, max_batches: int | None = None) -> Measurement:
+def measure(loader: Iterable, *, step_seconds: float = 0.0, max_batches: int | None = None,
+            warmup: int | None = None) -> Measurement:
     """One epoch (or ``max_batches``), sleeping ``step_seconds`` after each batch as the training step.
 
-    The clock starts once every worker has delivered its first batch (and its step is done).
+    The clock starts once ``warmup`` batches (default: one per DataLoader worker) have arrived.
     """
     metrics = loader.metrics if isinstance(loader, VolumeDataLoader) else None
-    warmup = max(loader.num_workers, 1)
+    warmup = warmup or max(getattr(loader, "num_workers", 1), 1)
     count = samples = 0
     opened = start = time.monotonic()
     fetched_before = 0.0
-    for images, *_ in loader:
+    for batch in loader:
+        images = batch["image"] if isinstance(batch, dict) else batch[0]
         samples += len(images) if count >= warmup else 0
         time.sleep(step_seconds)
         count += 1
@@ -297,10 +329,12 @@ def measure_best(loaders: dict[str, DataLoader], repeats: int) -> dict[str, Meas
     return rows
 
 
-def measure_all(remote: Volume, local: Volume, work: Path, args: argparse.Namespace) -> dict[str, Measurement]:
+def measure_all(remote: Volume, local: Volume, proxy_port: int, work: Path,
+                args: argparse.Namespace) -> dict[str, Measurement]:
     """Every row. The warm rows and their ceiling take turns, ``--repeats`` epochs each, best kept."""
     step = args.step_ms / 1000
-    rows = {"naive S3": measure(naive_loader(remote, args), max_batches=args.naive_batches)}
+    rows = {"naive S3": measure(naive_loader(remote, args), max_batches=args.naive_batches),
+            "Ray Data S3": ray_data_rate(remote, proxy_port, args)}
     remote_loader = resilient_loader(remote, str(work / "cache-1"), args)
     rows["cold S3"] = measure(remote_loader)
     local_resilient = resilient_loader(local, str(work / "cache-local"), args)
@@ -315,6 +349,7 @@ def measure_all(remote: Volume, local: Volume, work: Path, args: argparse.Namesp
 
 ROWS = {  # printed in this order
     "naive S3": "plain Dataset, every file from S3",
+    "Ray Data S3": "Ray Data read_images from S3",
     "cold S3": "ray_resilient epoch 1, empty cache",
     "warm S3": "ray_resilient later epochs, cached (best)",
     "naive local": "plain Dataset, local files: ceiling (best)",
@@ -345,7 +380,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Measurement]:
         upload(local_root, s3_port)
         with latency_proxy(s3_port, args.latency_ms) as proxy_port:
             remote = Volume(f"s3://{BUCKET}/{PREFIX}", endpoint=f"http://{LOOPBACK}:{proxy_port}")
-            return measure_all(remote, Volume(local_root), work, args)
+            return measure_all(remote, Volume(local_root), proxy_port, work, args)
 
 
 def parse_args() -> argparse.Namespace:

@@ -361,7 +361,6 @@ def test_the_download_process_exits_with_its_worker(image_dir, tmp_path):
         import sys
         from ray_resilient.data import FileCache, Volume
         from ray_resilient.data.prefetch import Prefetcher
-from ray_resilient.data.volume import _s3_settings
         volume = Volume({image_dir!r})
         prefetcher = Prefetcher(volume, FileCache({str(cache_dir)!r}), threads=2, max_files=8, max_bytes=1 << 30)
         prefetcher.restart(iter(range(len(volume.files))))
