@@ -253,13 +253,13 @@ def resilient_loader(volume: Volume, cache_dir: str, args: argparse.Namespace) -
     return VolumeDataLoader(dataset, metrics_logger=None, **loader_options(args))
 
 
-def ray_data_rate(remote: Volume, s3_port: int, args: argparse.Namespace) -> Measurement:
+def ray_data_rate(remote: Volume, proxy_port: int, args: argparse.Namespace) -> Measurement:
     """Ray Data reading the same S3 volume: ``read_images`` (PIL decode), the same transform in
     ``map_batches``, ``iter_torch_batches``; on a local Ray instance with ``--workers`` CPUs."""
     import numpy as np
     import ray
 
-    filesystem = pafs.S3FileSystem(endpoint_override=f"{LOOPBACK}:{s3_port}", scheme="http", region="us-east-1",
+    filesystem = pafs.S3FileSystem(endpoint_override=f"{LOOPBACK}:{proxy_port}", scheme="http", region="us-east-1",
                                    access_key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
                                    secret_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
     transform = default_transform(args.size)
