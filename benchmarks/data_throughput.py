@@ -259,9 +259,7 @@ def ray_data_rate(remote: Volume, proxy_port: int, args: argparse.Namespace) -> 
     import numpy as np
     import ray
 
-    filesystem = pafs.S3FileSystem(endpoint_override=f"{LOOPBACK}:{proxy_port}", scheme="http", region="us-east-1",
-                                   access_key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                                   secret_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+    filesystem = s3_filesystem(proxy_port)
     transform = default_transform(args.size)
 
     def augment(batch: dict) -> dict:
