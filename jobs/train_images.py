@@ -31,10 +31,9 @@ import ray.train
 import torch
 import torchvision
 from ray.train.torch import TorchTrainer, prepare_model
-from torchvision.transforms import v2
 
 from ray_resilient import CheckpointManager, recommended_ray_config
-from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform
+from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform, eval_transform
 from ray_resilient.goodput import parse_duration
 from ray_resilient.tracking import MlflowMetrics, current_run_name, default_tracking_uri
 
@@ -49,9 +48,7 @@ def build_model(name: str, num_classes: int) -> torch.nn.Module:
 def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int) -> float:
     """Top-1 accuracy over every image of ``volume`` (run on rank 0 alone)."""
     dataset = VolumeImageDataset(volume, global_batch=batch, drop_last=False, seed=0,
-                                 transform=v2.Compose([v2.Resize(image_size, antialias=True),
-                                                       v2.CenterCrop(image_size),
-                                                       v2.ToDtype(torch.float32, scale=True)]))
+                                 transform=eval_transform(image_size))
     loader = VolumeDataLoader(dataset, num_workers=0, metrics_logger=None)
     correct, seen = 0, set()
     model.eval()
@@ -104,7 +101,8 @@ def train_fn(config: dict[str, Any]) -> None:
         state = ckpt.restore()
         restarts = ckpt.goodput.breakdown().attempts - 1 if rank == 0 else 0
         if rank == 0:
-            print(f"[attempt {restarts + 1}] {world} workers, starting at step {state.step} of {total_steps} "
+            print(f"[attempt {restarts + 1}] {world} workers (per rank: torch threads {torch.get_num_threads()}, "
+                  f"loader workers {loader.num_workers}), starting at step {state.step} of {total_steps} "
                   f"(epoch {state.epoch}); restarts so far: {restarts}", flush=True)
         while loader.epoch < config["epochs"]:
             epoch, started, seen, correct = loader.epoch, time.monotonic(), 0, 0
@@ -189,9 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help='fault plan for demos, e.g. "kill:step=30:rank=1" (see ray_resilient.faults; default: none)')
     train = parser.add_argument_group("training")
     train.add_argument("--model", default="resnet18", help="torchvision model name (default: resnet18)")
-    train.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
+    train.add_argument("--epochs", type=int, default=5, help="epochs (default: 5)")
     train.add_argument("--global-batch", type=int, default=64, help="global batch size (default: 64)")
-    train.add_argument("--lr", type=float, default=0.05, help="peak learning rate, one-cycle (default: 0.05)")
+    train.add_argument("--lr", type=float, default=0.02, help="peak learning rate, one-cycle (default: 0.02)")
     train.add_argument("--seed", type=int, default=0, help="seed of the order, augmentation and init (default: 0)")
     train.add_argument("--log-every", type=int, default=5, help="steps between progress lines (default: 5)")
     args = parser.parse_args(argv)
@@ -233,7 +231,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the workers log to the same store
     volume = args.volume or generate_default_volume(os.path.abspath("data/shapes"), args.per_class, args.classes,
                                                     args.image_size, args.seed)
-    ray.init(address=args.ray_address, runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking_uri}})
+    # As --help says: RAY_ADDRESS, else a new local instance (never a leftover cluster's address file).
+    ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS") or "local",
+             runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking_uri}})
     ray_config = recommended_ray_config(args.name, args.storage_path, workers=(args.min_workers, args.max_workers),
                                         use_gpu=args.use_gpu, max_failures=args.max_failures,
                                         num_to_keep=args.num_to_keep)

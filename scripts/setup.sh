@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install ray_resilient with its test extra. Idempotent.
+# Create .venv (if needed) and install ray_resilient with its test extra, at the versions the
+# README's figures were measured with (scripts/constraints.txt). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -7,7 +8,4 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-# This pair is the one that works together on these machines (a CUDA build that also runs on CPU);
-# pyproject.toml admits any torch >= 2.6 elsewhere.
-.venv/bin/python -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
-.venv/bin/python -m pip install --quiet -e ".[test]"
+.venv/bin/python -m pip install --quiet -c scripts/constraints.txt -e ".[test]"

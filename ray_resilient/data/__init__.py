@@ -8,6 +8,7 @@ from ray_resilient.data.dataset import (
     VolumeImageDataset,
     default_cache_dir,
     default_transform,
+    eval_transform,
 )
 from ray_resilient.data.loader import VolumeDataLoader, default_num_workers
 from ray_resilient.data.parquet import ParquetVolumeDataset
@@ -30,4 +31,5 @@ __all__ = [
     "default_cache_dir",
     "default_num_workers",
     "default_transform",
+    "eval_transform",
 ]
