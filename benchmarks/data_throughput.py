@@ -15,8 +15,8 @@ Setup
     Every row uses the same DataLoader settings: ``--workers`` spawned worker processes
     (default 2: the machine's cores), ``--batch`` samples per batch (default 64), prefetch_factor
     4, persistent workers, no pinned memory, and the same decode (``torchvision.io.decode_image``)
-    and transform (``ray_resilient.data.default_transform(size)``: random resized crop, flip,
-    to float). ray_resilient runs with ``--prefetch-threads`` 16 downloads (in each worker's
+    and transform (``ray_resilient.data.default_transform(size)``: resize, padded random crop,
+    flip, to float). ray_resilient runs with ``--prefetch-threads`` 16 downloads (in each worker's
     download process) and a ``--prefetch-files`` 256-file window per worker (the defaults, 8 and
     64, leave it latency-bound) and no metrics logger.
 
