@@ -32,9 +32,10 @@ closer saves make SYNC and NO_UPLOAD reports wait for it)
     dcp.save           synchronous ``torch.distributed.checkpoint.save`` of ``get_state_dict``
                        (model+optimizer) into a directory under the run storage (each rank writes
                        its half, fsynced), then registered with ``ray.train.report`` (NO_UPLOAD).
-    ray_resilient      ``CheckpointManager.step_completed`` on the checkpoint step: waits for the
-                       previous save, registers it with Ray, builds the state dict and stages it;
-                       the write (sharded DCP, fsynced) runs on a background thread.
+    ray_resilient      ``CheckpointManager.step_completed`` on the checkpoint step: registers the
+                       saves that finished with Ray, builds the state dict and stages it into a
+                       free set of reused buffers; the write (sharded DCP, fsynced) runs on a
+                       background thread.
 
 Timing
     A stall is ``time.monotonic()`` around exactly the call the training loop blocks on, on rank 0;
@@ -158,7 +159,8 @@ class PhaseClock:
 class Job:
     """The model, optimizer and loop of one worker."""
 
-    def __init__(self, state_mb: float, steps_between: int, step_seconds: float, cpu_step_first: bool):
+    def __init__(self, state_mb: float, steps_between: int, step_seconds: float, cpu_step_first: bool,
+                 write_threads: int):
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.experiment_path = context.get_storage().experiment_fs_path
@@ -169,6 +171,7 @@ class Job:
         self.steps_between = steps_between
         self.step_seconds = step_seconds
         self.cpu_step_first = cpu_step_first
+        self.write_threads = write_threads
         self.clock = PhaseClock()
 
     def train_step(self) -> None:
@@ -267,23 +270,22 @@ class DcpSync(Saver):
 class Resilient(Saver):
     def __init__(self, job: Job):
         super().__init__(job)
-        self.ckpt = CheckpointManager(job.model, job.optimizer, interval_steps=job.steps_between)
-        writer = self.ckpt._writer
-        job.clock.wrap(writer, "wait", "wait for previous save")
+        self.ckpt = CheckpointManager(job.model, job.optimizer, interval_steps=job.steps_between,
+                                      write_threads=job.write_threads)
         job.clock.wrap(self.ckpt, "_register", "report previous to Ray")
         job.clock.wrap(self.ckpt.components, "state_to_save", "build state dict")
-        job.clock.wrap(writer._stager, "stage", "staging copy")
+        job.clock.wrap(self.ckpt._writer, "save", "staging copy")
         self.last_stalls: list[float] = []
         self.saves: list[SaveResult] = []
-        wait = writer.wait
+        collect = self.ckpt._collect_saves
 
-        def wait_and_keep() -> SaveResult | None:
-            result = wait()
-            if result is not None:
-                self.saves.append(result)
-            return result
+        def collect_and_keep(wait: bool) -> list[SaveResult]:
+            with job.clock.phase("collect finished saves"):
+                results = collect(wait)
+            self.saves.extend(results)
+            return results
 
-        writer.wait = wait_and_keep
+        self.ckpt._collect_saves = collect_and_keep
 
     def step_completed(self) -> None:
         self.ckpt.step_completed(0)
@@ -330,7 +332,8 @@ def measure_method(job: Job, method: str, checkpoints: int) -> dict[str, list]:
 
 def train_fn(config: dict[str, Any]) -> None:
     """Measure each method in turn; rank 0 writes the stalls to ``config['results']`` (JSON)."""
-    job = Job(config["state_mb"], config["steps_between"], config["step_seconds"], config["cpu_step_first"])
+    job = Job(config["state_mb"], config["steps_between"], config["step_seconds"], config["cpu_step_first"],
+              config["write_threads"])
     job.train_step()
     results: dict[str, Any] = {"state_bytes": job.state_bytes()}
     for method in config["methods"]:
@@ -348,7 +351,7 @@ def run_trainer(workers: int, methods: tuple[str, ...], args: argparse.Namespace
     results = os.path.join(storage, f"results_{workers}w.json")
     config = {"state_mb": args.state_mb, "step_seconds": args.step_seconds, "checkpoints": args.checkpoints,
               "steps_between": args.steps_between, "cpu_step_first": args.cpu_step_first,
-              "methods": list(methods), "results": results}
+              "write_threads": args.write_threads, "methods": list(methods), "results": results}
     trainer = TorchTrainer(
         train_fn,
         train_loop_config=config,
@@ -414,6 +417,7 @@ def parse_args() -> argparse.Namespace:
                         help="run each step's real CPU work before its emulated compute, so that a background "
                              "write overlaps the CPU DDP step (as in CPU-only training)")
     parser.add_argument("--keep", type=int, default=2, help="CheckpointConfig(num_to_keep) (default 2)")
+    parser.add_argument("--write-threads", type=int, default=4, help="ray_resilient's write_threads (default 4)")
     return parser.parse_args()
 
 

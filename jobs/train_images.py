@@ -30,7 +30,9 @@ import ray
 import ray.train
 import torch
 import torchvision
-from ray.train.torch import TorchTrainer, prepare_model
+from ray.train.torch import TorchTrainer, get_device, prepare_model
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 from ray_resilient import CheckpointManager, recommended_ray_config
 from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform, eval_transform
@@ -45,8 +47,20 @@ def build_model(name: str, num_classes: int) -> torch.nn.Module:
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 
+def parallelize(model: torch.nn.Module, parallelism: str) -> torch.nn.Module:
+    """``"ddp"``: Ray's ``prepare_model`` (DistributedDataParallel). ``"fsdp"``: FSDP2, each
+    top-level child with parameters (a ResNet's stem, stages and head) and the root ``fully_shard``-ed."""
+    if parallelism == "ddp":
+        return prepare_model(model)
+    model.to(get_device())
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    return fully_shard(model)
+
+
 def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int) -> float:
-    """Top-1 accuracy over every image of ``volume`` (run on rank 0 alone)."""
+    """Top-1 accuracy over every image of ``volume`` (on rank 0 alone with DDP, on every rank with FSDP2)."""
     dataset = VolumeImageDataset(volume, global_batch=batch, drop_last=False, seed=0,
                                  transform=eval_transform(image_size))
     loader = VolumeDataLoader(dataset, num_workers=0, metrics_logger=None)
@@ -54,7 +68,7 @@ def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int
     model.eval()
     with torch.no_grad():
         for item in loader:
-            predicted = model(item.images).argmax(1)
+            predicted = model(item.images.to(get_device())).argmax(1).cpu()
             for sample, right in zip(item.sample_ids.tolist(), (predicted == item.labels).tolist()):
                 if sample not in seen:  # the last batch is padded with repeats
                     seen.add(sample)
@@ -63,13 +77,13 @@ def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int
     return correct / len(seen)
 
 
-def export_model(module: torch.nn.Module, config: dict[str, Any]) -> str:
+def export_model(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> str:
     """Write the trained weights and what is needed to rebuild the model next to the run's checkpoints."""
     storage = ray.train.get_context().get_storage()
     path = f"{storage.experiment_fs_path}/{MODEL_FILE}"
     buffer = io.BytesIO()
     torch.save({"model": config["model"], "classes": config["class_names"], "image_size": config["image_size"],
-                "state_dict": {k: v.detach().cpu() for k, v in module.state_dict().items()}}, buffer)
+                "state_dict": state_dict}, buffer)
     with storage.storage_filesystem.open_output_stream(path) as out:
         out.write(buffer.getvalue())
     with tempfile.TemporaryDirectory() as local:  # and as an MLflow artifact of the run
@@ -89,7 +103,8 @@ def train_fn(config: dict[str, Any]) -> None:
                                  transform=default_transform(config["image_size"]))
     loader = VolumeDataLoader(dataset, num_workers=config["loader_workers"], log_every=config["log_every"])
     torch.manual_seed(config["seed"])
-    model = prepare_model(build_model(config["model"], len(config["class_names"])))
+    model = parallelize(build_model(config["model"], len(config["class_names"])), config["parallelism"])
+    device = get_device()
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9, weight_decay=5e-4)
     total_steps = config["epochs"] * dataset.batches_per_epoch(0)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config["lr"], total_steps=total_steps)
@@ -107,14 +122,15 @@ def train_fn(config: dict[str, Any]) -> None:
         while loader.epoch < config["epochs"]:
             epoch, started, seen, correct = loader.epoch, time.monotonic(), 0, 0
             for batch in loader:
-                logits = model(batch.images)
-                loss = torch.nn.functional.cross_entropy(logits, batch.labels)
+                images, labels = batch.images.to(device, non_blocking=True), batch.labels.to(device, non_blocking=True)
+                logits = model(images)
+                loss = torch.nn.functional.cross_entropy(logits, labels)
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
-                seen += len(batch.labels)
-                correct += int((logits.argmax(1) == batch.labels).sum())
+                seen += len(labels)
+                correct += int((logits.argmax(1) == labels).sum())
                 metrics = {"loss": loss.item(), "train_accuracy": correct / seen}
                 ckpt.step_completed(loader.epoch, metrics)
                 step = ckpt.train_state.step
@@ -124,15 +140,17 @@ def train_fn(config: dict[str, Any]) -> None:
                     print(f"step {step}/{total_steps} epoch {epoch} | {throughput:.0f} samples/s | loss "
                           f"{metrics['loss']:.3f} | train acc {metrics['train_accuracy']:.3f} | checkpoints "
                           f"committed {ckpt.checkpoints_committed} | restarts {restarts}", flush=True)
-            if rank == 0 and seen:
+            if seen and (rank == 0 or config["parallelism"] == "fsdp"):  # FSDP2: every rank takes part
                 metrics["val_accuracy"] = evaluate(model.module if hasattr(model, "module") else model, val_volume,
                                                    config["image_size"], config["global_batch"])
-                metrics_log({"val_accuracy": metrics["val_accuracy"]}, ckpt.train_state.step)
-                print(f"epoch {epoch} done: val accuracy {metrics['val_accuracy']:.3f}", flush=True)
+                if metrics_log is not None:
+                    metrics_log({"val_accuracy": metrics["val_accuracy"]}, ckpt.train_state.step)
+                    print(f"epoch {epoch} done: val accuracy {metrics['val_accuracy']:.3f}", flush=True)
         ckpt.finish(metrics)
+    # The whole model on rank 0 (FSDP2 gathers its shards: every rank calls this).
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        module = model.module if hasattr(model, "module") else model
-        print(f"exported the final model to {export_model(module, config)}", flush=True)
+        print(f"exported the final model to {export_model(weights, config)}", flush=True)
 
 
 def generate_default_volume(root: str, per_class: int, classes: int, image_size: int, seed: int) -> str:
@@ -173,6 +191,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--min-workers", type=int, default=1, help="fewest Ray Train workers to run on (default: 1)")
     run.add_argument("--max-workers", type=int, default=2, help="most Ray Train workers (default: 2)")
     run.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    run.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp",
+                     help="ddp: replicated model (DistributedDataParallel); fsdp: sharded model and optimizer "
+                          "(FSDP2 fully_shard), each rank checkpoints only its shards (default: ddp)")
     run.add_argument("--max-failures", type=int, default=3, help="worker-group restarts allowed (default: 3)")
     run.add_argument("--interval", default="20",
                      help='checkpoint every N steps, or "auto" for the optimum given --mtbf (default: 20)')
@@ -241,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     # __main__ makes cloudpickle try to pickle the torch.classes module.
     config = {"volume": volume, "class_names": Volume(f"{volume}/train").classes, "cache_dir": args.cache_dir, "cache_limit": args.cache_limit,
               "loader_workers": args.loader_workers, "image_size": args.image_size, "model": args.model,
+              "parallelism": args.parallelism,
               "epochs": args.epochs, "global_batch": args.global_batch, "lr": args.lr, "seed": args.seed,
               "interval": "auto" if args.interval == "auto" else int(args.interval),
               "mtbf_s": parse_duration(args.mtbf), "faults": args.faults, "log_every": args.log_every}

@@ -155,9 +155,9 @@ def _add_goodput_plan(commands: argparse._SubParsersAction) -> None:
     costs.add_argument(
         "--durable-latency",
         type=_duration,
-        default=0.0,
         metavar="L",
-        help="time from a checkpoint's save until it is durable (async upload; default 0)",
+        help="time from a checkpoint's save until it is durable (async write and upload; the "
+        "recommended interval is never shorter); default: the run's with --from-run, else 0",
     )
     costs.add_argument(
         "--interval", type=_positive_duration, metavar="I", help="checkpoint interval to evaluate"
@@ -182,7 +182,7 @@ def _goodput_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         mtbf_s = args.mtbf_hours * 3600
         source = "as given"
 
-    costs = MeasuredInputs(save_stall_s=None, restart_s=None, step_s=None)
+    costs = MeasuredInputs(save_stall_s=None, restart_s=None, step_s=None, durable_latency_s=None)
     if args.from_run is not None:
         from ray_resilient.goodput.ledger import measured_inputs
 
@@ -190,7 +190,8 @@ def _goodput_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             costs = measured_inputs(args.from_run)
         except (OSError, ValueError) as error:
             parser.error(f"--from-run {args.from_run}: {error}")
-    given = {"save_stall_s": args.save_stall, "restart_s": args.restart, "step_s": args.step_time}
+    given = {"save_stall_s": args.save_stall, "restart_s": args.restart, "step_s": args.step_time,
+             "durable_latency_s": args.durable_latency}
     costs = dataclasses.replace(costs, **{k: v for k, v in given.items() if v is not None})
     try:
         plan = plan_from_measured(
@@ -198,7 +199,6 @@ def _goodput_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             mtbf_s,
             run_s=None if args.days is None else args.days * SECONDS_PER_DAY,
             interval_s=args.interval,
-            durable_latency_s=args.durable_latency,
         )
     except ValueError as error:
         parser.error(str(error))

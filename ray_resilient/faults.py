@@ -1,10 +1,11 @@
 """Fault injection at real points of a run: off unless configured, each fault fires once per run.
 
-A plan is a ``;``-separated list of ``ACTION:POINT=STEP[:rank=R]``, taken from the job's
+A plan is a ``;``-separated list of ``ACTION:POINT=STEP[:rank=R][:seconds=S]``, taken from the job's
 command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
 
 - ACTION: ``kill`` (SIGKILL this worker process), ``raise`` (raise :class:`InjectedFault`),
-  ``fail_write`` (make the checkpoint write fail with an ``OSError``).
+  ``fail_write`` (make the checkpoint write fail with an ``OSError``), ``slow_write`` (storage
+  slower than the interval: the write of that step's checkpoint sleeps ``seconds=S`` more).
 - POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
   step), ``upload`` (while writing/uploading it, after part of it is written), ``durable``
   (after it is durable, before Ray registers it).
@@ -21,6 +22,7 @@ import logging
 import os
 import random
 import signal
+import time
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -28,7 +30,7 @@ import pyarrow.fs as pafs
 logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "RAY_RESILIENT_FAULTS"
-ACTIONS = ("kill", "raise", "fail_write")
+ACTIONS = ("kill", "raise", "fail_write", "slow_write")
 POINTS = ("step", "staging", "upload", "durable")
 
 
@@ -42,6 +44,7 @@ class Fault:
     point: str
     step: int
     rank: int = 0
+    seconds: float = 0.0  # slow_write's delay
 
     @property
     def marker(self) -> str:
@@ -56,19 +59,21 @@ def parse_faults(spec: str) -> list[Fault]:
         try:
             action = fields[0]
             point, step = fields[1].split("=")
-            rank = 0
+            extras = {"rank": "0", "seconds": "0"}
             for extra in fields[2:]:
                 key, value = extra.split("=")
-                if key != "rank":
+                if key not in extras:
                     raise ValueError(key)
-                rank = int(value)
-            fault = Fault(action, point, int(step), rank)
+                extras[key] = value
+            fault = Fault(action, point, int(step), int(extras["rank"]), float(extras["seconds"]))
         except (IndexError, ValueError) as err:
             raise ValueError(
-                f"bad fault {entry!r}: expected ACTION:POINT=STEP[:rank=R], e.g. kill:step=7:rank=1"
+                f"bad fault {entry!r}: expected ACTION:POINT=STEP[:rank=R][:seconds=S], e.g. kill:step=7:rank=1"
             ) from err
         if fault.action not in ACTIONS or fault.point not in POINTS:
             raise ValueError(f"bad fault {entry!r}: action must be one of {ACTIONS}, point one of {POINTS}")
+        if (fault.action == "slow_write") != (fault.seconds > 0):
+            raise ValueError(f"bad fault {entry!r}: seconds=S (> 0) goes with slow_write, and only with it")
         faults.append(fault)
     return faults
 
@@ -117,6 +122,9 @@ class FaultInjector:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if fault.action == "fail_write":
                     raise OSError(f"injected storage write failure ({fault.marker})")
+                if fault.action == "slow_write":
+                    time.sleep(fault.seconds)
+                    continue
                 raise InjectedFault(fault.marker)
 
     def _claim(self, fault: Fault) -> bool:

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite, slow multi-process tests included.
+# Set up (scripts/setup.sh) and run the whole test suite, slow multi-process tests included; then
+# the checkpoint and data tests again on the lowest supported torch (scripts/setup.sh --lowest).
+# With arguments, only the first part runs, with them passed to pytest (e.g. -m "not slow", -k NAME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/python -m pytest -v -p no:cacheprovider "$@"
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest -v -p no:cacheprovider "$@"
+fi
+.venv/bin/python -m pytest -v -p no:cacheprovider
+scripts/setup.sh --lowest
+exec .venv-lowest/bin/python -m pytest -v -p no:cacheprovider -m "not slow" \
+  tests/test_checkpoint_unit.py tests/test_staging.py tests/test_fsdp_checkpoint.py tests/test_data.py tests/test_parquet.py

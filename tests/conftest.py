@@ -138,15 +138,26 @@ def multi_node_cluster(tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture(scope="session")
-def reference(ray_cluster, tmp_path_factory):
-    """An uninterrupted run of ``trainlib.train_fn``: what every resumed run must match bitwise."""
+def _reference_run(tmp_path_factory, parallelism: str) -> dict:
     import trainlib
 
-    root = tmp_path_factory.mktemp("reference")
-    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(root / "rec"), str(root / "storage"), "reference")
+    root = tmp_path_factory.mktemp(f"reference-{parallelism}")
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(root / "rec", parallelism=parallelism),
+                              str(root / "storage"), "reference")
     assert result.error is None
     return {"dir": root, "result": result, "record": root / "rec"}
+
+
+@pytest.fixture(scope="session")
+def reference(ray_cluster, tmp_path_factory):
+    """An uninterrupted run of ``trainlib.train_fn`` (DDP): what every resumed run must match bitwise."""
+    return _reference_run(tmp_path_factory, "ddp")
+
+
+@pytest.fixture(scope="session")
+def fsdp_reference(ray_cluster, tmp_path_factory):
+    """The same uninterrupted run with FSDP2 (its reductions differ from DDP's: its own reference)."""
+    return _reference_run(tmp_path_factory, "fsdp")
 
 
 @pytest.fixture(scope="session")

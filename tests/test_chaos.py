@@ -40,12 +40,14 @@ def planned_global_batches(samples: int, global_batch: int, seed: int, epochs: i
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_three_seeded_kills_one_during_an_upload_leave_the_run_bitwise_identical(reference, tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_three_seeded_kills_one_during_an_upload_leave_the_run_bitwise_identical(parallelism, request, tmp_path):
+    reference = request.getfixturevalue("reference" if parallelism == "ddp" else "fsdp_reference")
     plan = random_kill_plan(seed=4, kills=3, steps=STEPS, interval=trainlib.JOB["interval"], world_size=2)
     assert plan.count("kill:") == 3 and plan.count("upload=") == 1
     record = tmp_path / "rec"
-    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, plan), str(tmp_path / "storage"),
-                              "chaos", max_failures=3)
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, plan, parallelism=parallelism),
+                              str(tmp_path / "storage"), "chaos", max_failures=3)
     assert result.error is None
     assert len(trainlib.read_attempts(str(record))) == 4  # every kill restarted the run once
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
@@ -101,7 +103,8 @@ def _steps_recorded(record, rank: int) -> int:
 
 
 @pytest.mark.usefixtures("ray_cluster")
-def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism, tmp_path, tmp_path_factory):
     """2 workers on two 1-CPU nodes; the node of rank 1 is SIGKILLed mid-epoch; later a node joins.
 
     Every global batch of the plan is trained on exactly once, in order, across the three world
@@ -112,7 +115,7 @@ def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(tmp_path, tm
     """
     # 240 steps of 0.1 s: the one-worker attempt runs long enough for the new node to join and
     # for Ray's resize check (every 2 s here) to see it.
-    job = {"samples": 2560, "epochs": 3, "interval": 10}
+    job = {"samples": 2560, "epochs": 3, "interval": 10, "parallelism": parallelism}
     record = tmp_path / "rec"
     config = trainlib.job_config(record, step_seconds=0.1, **job)
     with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:

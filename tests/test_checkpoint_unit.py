@@ -15,6 +15,7 @@ from ray_resilient.checkpoint.layout import (
     list_checkpoints,
     parse_checkpoint_dir_name,
 )
+from ray_resilient.checkpoint.staging import HostStager
 from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, own_share
 from ray_resilient.checkpoint.storage import CheckpointStorage
@@ -42,7 +43,7 @@ def make_components(seed: int) -> TrainingComponents:
 
 def save(writer: AsyncCheckpointWriter, components: TrainingComponents, step: int, attempt: int = 0):
     writer.save(components.state_to_save(TrainState(step=step), rank=0), step, checkpoint_dir_name(step, attempt))
-    return writer.wait()
+    return writer.collect()[-1]
 
 
 def test_checkpoint_names_sort_by_step_then_attempt():
@@ -66,13 +67,17 @@ def test_partial_collection_keeps_complete_and_newer_partial(storage, tmp_path):
     writer.close()
 
 
-def test_one_save_in_flight(storage):
-    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
+@pytest.mark.parametrize("staging_buffers", [1, 2])
+def test_a_save_needs_a_free_set_of_staging_buffers(storage, staging_buffers):
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage), staging_buffers=staging_buffers)
     components = make_components(0)
-    writer.save(components.state_to_save(TrainState(step=1), 0), 1, checkpoint_dir_name(1, 0))
-    with pytest.raises(RuntimeError, match="still in flight"):
-        writer.save(components.state_to_save(TrainState(step=2), 0), 2, checkpoint_dir_name(2, 0))
-    assert writer.wait().ok
+    for step in range(1, staging_buffers + 1):
+        writer.save(components.state_to_save(TrainState(step=step), 0), step, checkpoint_dir_name(step, 0))
+    assert not writer.can_stage
+    with pytest.raises(RuntimeError, match="still being written"):
+        writer.save(components.state_to_save(TrainState(step=9), 0), 9, checkpoint_dir_name(9, 0))
+    assert [r.step for r in writer.collect()] == list(range(1, staging_buffers + 1))
+    assert writer.can_stage and writer.in_flight == 0
     writer.close()
 
 
@@ -138,9 +143,10 @@ def test_cuda_state_stages_to_pinned_memory_and_round_trips(storage):
     components = TrainingComponents(model, optimizer)
     state = components.state_to_save(TrainState(step=1), rank=0)
     assert "cuda" in state["rank_state"]["rank_0"]["rng"]
-    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
-    staged = writer._stager.stage(state)
+    staged = HostStager(pin_memory=True).stage(state)
     assert staged["model"]["weight"].device.type == "cpu" and staged["model"]["weight"].is_pinned()
+    assert torch.equal(staged["model"]["weight"], model.weight.detach().cpu())
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
     assert save(writer, components, 1).ok
     writer.close()
     expected = {k: v.clone() for k, v in model.state_dict().items()}

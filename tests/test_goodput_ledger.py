@@ -86,6 +86,7 @@ def test_measured_inputs_are_the_medians_of_the_run(local_run):
     assert measured.save_stall_s == pytest.approx(0.5)
     assert measured.restart_s == pytest.approx(((13 - 8.5) + 1 + (23 - 16.5) + 0.5) / 2)  # median of 5.5 and 7
     assert measured.step_s == pytest.approx(1.0)  # kept steps less data wait: 0.8, 1, 1, 1, 0.5
+    assert measured.durable_latency_s == pytest.approx(7.6 - 6.0)  # the one save seen durable: started at 6.0
 
 
 def test_a_run_without_a_ledger_is_refused_naming_it(tmp_path):

@@ -134,6 +134,14 @@ def test_interval_steps_for_rounds_daly_to_whole_steps_at_least_one():
     assert interval_steps_for(10_000, 10, 1000.0) == 1  # 0.44 steps
 
 
+def test_the_interval_is_never_shorter_than_a_save_takes_to_become_durable():
+    assert interval_steps_for(10_000, 10, 3.0, durable_s=300) == 147  # Daly's is longer
+    assert interval_steps_for(10_000, 10, 3.0, durable_s=600) == 200  # writes one after another
+    plan = plan_from_measured(MeasuredInputs(save_stall_s=10, restart_s=None, step_s=3.0, durable_latency_s=600),
+                              10_000)
+    assert plan.recommended_interval_steps == 200 and plan.recommended_interval_s == 600
+
+
 @pytest.mark.parametrize(
     "call",
     [

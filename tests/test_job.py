@@ -127,3 +127,16 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(tmp_p
     assert "Injecting fault" not in log and "[attempt 2]" not in log
     assert uninterrupted["step"] == killed["step"]
     assert abs(uninterrupted["val_accuracy"] - killed["val_accuracy"]) <= KILL_TOLERANCE, (killed, uninterrupted)
+
+
+@pytest.mark.slow
+def test_the_image_job_with_fsdp2_recovers_a_kill_and_exports_the_whole_model(tmp_path):
+    log, result = run_image_job(tmp_path, ["--parallelism", "fsdp", "--per-class", "40", "--epochs", "2",
+                                           "--interval", "2", "--faults", "kill:step=4:rank=1"])
+    assert "Injecting fault kill-step-4-rank1" in log and "[attempt 2]" in log and "Resuming at step 2" in log
+    run_dir = tmp_path / "runs" / "train_images"
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
+    assert checkpoints[-1].complete and checkpoints[-1].step == result["step"] == 4
+    # The shards of both ranks, gathered into one plain state dict, give the job's own accuracy.
+    exported = exported_model_accuracy(run_dir / "final_model.pt", tmp_path / "data" / "shapes" / "val")
+    assert exported == pytest.approx(result["val_accuracy"], abs=0.03)

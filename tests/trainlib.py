@@ -18,7 +18,8 @@ import psutil
 import ray.train
 import torch
 from ray.train.torch import prepare_model
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+from torch.distributed.fsdp import fully_shard
 
 from train_ddp import CLASSES, FEATURES, SyntheticBatches
 
@@ -124,8 +125,26 @@ def build_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
 
 
+def parallelize(model: torch.nn.Module, parallelism: str) -> torch.nn.Module:
+    """``"ddp"``: Ray's ``prepare_model``; ``"fsdp"``: FSDP2, each Linear and the root ``fully_shard``-ed."""
+    if parallelism == "ddp":
+        return prepare_model(model)
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def save_final_weights(model: torch.nn.Module, record_dir: str) -> None:
+    """The full, unsharded model state (a collective: every rank calls it), written by rank 0."""
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ray.train.get_context().get_world_rank() == 0:
+        torch.save({k: v.clone() for k, v in weights.items()}, os.path.join(record_dir, "final_weights.pt"))
+
+
 def train_fn(config: dict[str, Any]) -> None:
     """Train with SGD+momentum and a step LR schedule; checkpoint every ``interval`` steps.
+    ``parallelism``: ``"ddp"`` (default) or ``"fsdp"`` (FSDP2).
 
     Records, per attempt, the sample ids each rank consumed (``record_dir``) and finally the
     model weights (rank 0), so tests can compare runs bitwise.
@@ -134,7 +153,7 @@ def train_fn(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     seed = config["seed"]
-    model = prepare_model(build_model(seed))
+    model = parallelize(build_model(seed), config.get("parallelism", "ddp"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
     data = SyntheticBatches(config["samples"], config["global_batch"], seed, rank, world)
@@ -158,10 +177,7 @@ def train_fn(config: dict[str, Any]) -> None:
                 time.sleep(config.get("step_seconds", 0.0))  # emulated accelerator compute
                 ckpt.step_completed(data.epoch, {"loss": loss.item()})
         ckpt.finish({"loss": loss.item()})
-    if rank == 0:
-        module = model.module if hasattr(model, "module") else model
-        torch.save({k: v.clone() for k, v in module.state_dict().items()},
-                   os.path.join(config["record_dir"], "final_weights.pt"))
+    save_final_weights(model, config["record_dir"])
 
 
 class Counter:

@@ -1,4 +1,4 @@
-"""The two collectives checkpointing needs, on its own gloo group (no-ops without torch.distributed)."""
+"""The collectives checkpointing needs, on its own gloo groups (no-ops without torch.distributed)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ def all_ranks_agree(group: dist.ProcessGroup | None, ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def smallest_on_any_rank(group: dist.ProcessGroup | None, value: int) -> int:
+    """The minimum of ``value`` over every rank. Every rank must call it at the same point."""
+    if group is None:
+        return value
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
+    return int(box.item())
 
 
 def broadcast_from_rank0(group: dist.ProcessGroup | None, value: Any) -> Any:

@@ -26,10 +26,11 @@ from typing import Any, Literal, Mapping
 
 import ray.train
 import torch
+import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ray_resilient.checkpoint.collectives import broadcast_from_rank0
+from ray_resilient.checkpoint.collectives import broadcast_from_rank0, smallest_on_any_rank
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
 from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState
@@ -86,6 +87,13 @@ class CheckpointManager:
         seed: the run's seed, recorded, and used to re-derive RNG streams after a resize.
         preemption_check_steps: ask Ray for imminent preemption every this many steps and
             save a just-in-time checkpoint. Each check is a barrier across workers (a few ms).
+        staging_buffers: sets of reused host buffers for staging (each holds this rank's share
+            of the state: pinned memory on GPU). With 2, a save starts while the previous one
+            is still being written, so writes slower than the interval do not stall the loop;
+            when every set is still being written, a due save is deferred (one step at a time,
+            counted in ``checkpoint_deferred_saves``) instead of waiting. 1 halves the memory.
+        write_threads: files each rank writes in parallel (DCP's ``thread_count``), each
+            uploaded in parallel to remote storage.
         storage: where checkpoints go; defaults to the Ray run's storage.
         faults: a fault-injection plan (see :mod:`ray_resilient.faults`); defaults to the
             ``RAY_RESILIENT_FAULTS`` environment variable, normally unset (no faults).
@@ -108,6 +116,8 @@ class CheckpointManager:
         mtbf_s: float | None = None,
         seed: int = 0,
         preemption_check_steps: int = 10,
+        staging_buffers: int = 2,
+        write_threads: int = 4,
         storage: CheckpointStorage | None = None,
         faults: str | None = None,
         goodput_logger: MetricsLogger | str | None = "mlflow",
@@ -135,18 +145,25 @@ class CheckpointManager:
         self.train_state = TrainState(world_size=self.world_size, seed=seed)
         self.goodput = GoodputRecorder(self.storage, self.rank, self.world_size, log_every=goodput_log_every,
                                        metrics_logger=goodput_logger)
-        self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults)
+        self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
+                                             write_threads=write_threads)
+        # The training thread's own collectives (which saves finished, the auto interval): the
+        # writer's group is busy on its thread, and the training group may be NCCL.
+        self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt = 0
-        self._pending_metrics: dict[str, Any] = {}
-        self._pending_wall_started = 0.0
+        self._in_flight: deque[tuple[dict[str, Any], float]] = deque()  # per save in flight: metrics, wall start
+        self._deferred = False  # a due save is waiting for a free set of staging buffers
         self._last_metrics: dict[str, Any] = {}  # the last step's, reported with the final checkpoint
         self._last_saved_step: int | None = None
         self.saved_for_preemption = False  # a just-in-time checkpoint was taken
         self.failed_saves = 0  # saves that did not become durable
+        self.deferred_saves = 0  # due saves that waited for a staging buffer set (writes slower than the interval)
         self.checkpoints_committed = 0  # saves of this attempt every rank made durable
+        self.saves_started = 0  # saves of this attempt staged (the loop stalled for each)
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
+        self.last_save: SaveResult | None = None  # the newest save every rank made durable
         self._spares_requested = False
 
     def __enter__(self) -> "CheckpointManager":
@@ -228,9 +245,9 @@ class CheckpointManager:
         self.faults.fire("step", state.step)
         if not self._spares_requested:
             self._request_spare_workers()
-        if self._save_due(state.step):
+        if self._deferred or self._save_due(state.step):
             self._checkpoint(metrics or {})
-            if self.auto_interval:
+            if self.auto_interval and not self._deferred:
                 self._update_auto_interval()
         elif state.step % self.preemption_check_steps == 0 and self._preemption_imminent():
             self._checkpoint(metrics or {}, wait=True)
@@ -244,11 +261,15 @@ class CheckpointManager:
         """
         metrics = self._last_metrics if metrics is None else metrics
         if self._last_saved_step == self.train_state.step and not self._writer.in_flight:
+            # The last step's checkpoint is already registered: report the final metrics alone.
+            ray.train.report({**metrics, **self.goodput.metrics(), "step": self.train_state.step,
+                              "epoch": self.train_state.epoch})
             self.goodput.finished(self.train_state.step)
             return None
         if self._last_saved_step == self.train_state.step:
-            self._pending_metrics.update(self.goodput.metrics())
-            result = self._complete_pending()
+            self._in_flight[-1][0].update({**metrics, **self.goodput.metrics()})
+            results = self._collect_saves(wait=True)
+            result = results[-1] if results else None
         else:
             result = self._checkpoint({**metrics, **self.goodput.metrics()}, wait=True)
         if result is None or not result.ok:
@@ -260,9 +281,12 @@ class CheckpointManager:
         return result
 
     def close(self) -> None:
-        """Wait for the save in flight (registering it), then release the writer's resources."""
-        self._complete_pending()
+        """Wait for the saves in flight (registering them), then release the writer's resources."""
+        self._collect_saves(wait=True)
         self._writer.close()
+        if self._control is not None:
+            dist.destroy_process_group(self._control)
+            self._control = None
         self.goodput.close()
 
     # --- internals ---------------------------------------------------------------------------
@@ -280,15 +304,15 @@ class CheckpointManager:
         return step % self.interval_steps == 0
 
     def _update_auto_interval(self) -> None:
-        """Daly's interval from rank 0's last save stall and median step time, the same on every rank."""
-        measured = (self.last_stall_seconds, median(self._step_seconds))
-        # The training loop's group: the writer's own is busy with the save in flight on its thread.
-        world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-        stall, step_seconds = broadcast_from_rank0(world, measured)
-        interval = interval_steps_for(self.mtbf_s, max(stall, 1e-6), max(step_seconds, 1e-6))
+        """Daly's interval from rank 0's last save stall and median step time, at least its last
+        time to durable, the same on every rank."""
+        durable = self.last_save.durable_seconds if self.last_save is not None else 0.0
+        measured = (self.last_stall_seconds, median(self._step_seconds), durable)
+        stall, step_seconds, durable = broadcast_from_rank0(self._control, measured)
+        interval = interval_steps_for(self.mtbf_s, max(stall, 1e-6), max(step_seconds, 1e-6), durable)
         if interval != self.interval_steps:
-            logger.info("Checkpoint interval: %d steps (Daly's for an MTBF of %.0fs, save stall %.3fs, step %.3fs)",
-                        interval, self.mtbf_s, stall, step_seconds)
+            logger.info("Checkpoint interval: %d steps (Daly's for an MTBF of %.0fs, save stall %.3fs, step %.3fs; "
+                        "a save is durable after %.3fs)", interval, self.mtbf_s, stall, step_seconds, durable)
         self.interval_steps = interval
         self._next_auto_save = self.train_state.step + interval
 
@@ -307,41 +331,64 @@ class CheckpointManager:
         return True
 
     def _checkpoint(self, metrics: Mapping[str, Any], wait: bool = False) -> SaveResult | None:
-        """Start a save of the current state (after finishing the previous one)."""
+        """Start a save of the current state, or defer it while every staging buffer set is busy.
+
+        ``wait``: wait for the saves in flight, then for this one (final and preemption saves).
+        """
         started, wall_started = time.monotonic(), time.time()
-        self._complete_pending()
+        self._collect_saves(wait=wait)
+        if not self._writer.can_stage:
+            if not self._deferred:
+                self.deferred_saves += 1
+                logger.info("Checkpoint at step %d deferred: the previous saves are still being written",
+                            self.train_state.step)
+            self._deferred = True
+            return None
+        self._deferred = False
         step = self.train_state.step
         state = self.components.state_to_save(self.train_state, self.rank)
         self._writer.save(state, step, checkpoint_dir_name(step, self._attempt))
+        self.saves_started += 1
         self._last_saved_step = step
-        self._pending_metrics = {**metrics, "step": step, "epoch": self.train_state.epoch}
-        self._pending_wall_started = wall_started
         self.last_stall_seconds = time.monotonic() - started
-        self._pending_metrics["checkpoint_stall_seconds"] = self.last_stall_seconds
-        result = self._complete_pending() if wait else None
+        self._in_flight.append(({**metrics, "step": step, "epoch": self.train_state.epoch,
+                                 "checkpoint_stall_seconds": self.last_stall_seconds}, wall_started))
+        results = self._collect_saves(wait=True) if wait else []
         self.goodput.save(step, wall_started, time.time())
-        return result
+        return results[-1] if results else None
 
-    def _complete_pending(self) -> SaveResult | None:
-        """Wait for the save in flight; register it with Ray if every rank made it durable."""
-        result = self._writer.wait()
-        if result is None:
-            return None
-        if result.ok:
-            self.checkpoints_committed += 1
-            self.goodput.durable(result.step, self._pending_wall_started + result.durable_seconds)
-            self._register(result.path, {
-                **self._pending_metrics,
-                "checkpoint_stage_seconds": result.stage_seconds,
-                "checkpoint_durable_seconds": result.durable_seconds,
-                "checkpoint_failed_saves": self.failed_saves,
-            })
+    def _collect_saves(self, wait: bool) -> list[SaveResult]:
+        """Register, in order, the saves every rank has finished (``wait``: all saves in flight).
+
+        Without ``wait`` nothing blocks: the ranks agree on how many of their oldest saves have
+        finished everywhere, so that every rank registers the same ones (each registration is
+        a barrier in Ray).
+        """
+        if wait:
+            results = self._writer.collect()
         else:
-            self.failed_saves += 1
-            self._last_saved_step = None
-            logger.error("Checkpoint at step %d not saved (%s); retrying at the next interval (%d failed so far)",
-                         result.step, result.error, self.failed_saves)
-        return result
+            finished = smallest_on_any_rank(self._control, self._writer.finished()) if self._writer.in_flight else 0
+            results = self._writer.collect(finished)
+        for result in results:
+            metrics, wall_started = self._in_flight.popleft()
+            if result.ok:
+                self.checkpoints_committed += 1
+                self.last_save = result
+                self.goodput.durable(result.step, wall_started + result.durable_seconds)
+                self._register(result.path, {
+                    **metrics,
+                    "checkpoint_stage_seconds": result.stage_seconds,
+                    "checkpoint_durable_seconds": result.durable_seconds,
+                    "checkpoint_failed_saves": self.failed_saves,
+                    "checkpoint_deferred_saves": self.deferred_saves,
+                })
+            else:
+                self.failed_saves += 1
+                if self._last_saved_step == result.step:
+                    self._last_saved_step = None
+                logger.error("Checkpoint at step %d not saved (%s); retrying at the next interval (%d failed so far)",
+                             result.step, result.error, self.failed_saves)
+        return results
 
     def _register(self, path: str, metrics: Mapping[str, Any]) -> None:
         self.goodput.registered(metrics["step"])

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Generator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ import pyarrow.fs as pafs
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 
 from ray_resilient.checkpoint.layout import METADATA_FILE
+
+MAX_PARALLEL_UPLOADS = 8  # a rank's shard files (one per write thread) upload at once
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,10 @@ class CheckpointStorage:
         local = Path(self.write_dir(name, rank))
         remote = self.checkpoint_path(name)
         self.filesystem.create_dir(remote)
-        total = 0
-        for file in sorted(local.iterdir()):
-            if file.name == METADATA_FILE:
-                continue
-            self._upload_file(file, f"{remote}/{file.name}")
-            total += file.stat().st_size
-        return total
+        files = [file for file in sorted(local.iterdir()) if file.name != METADATA_FILE]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(files), MAX_PARALLEL_UPLOADS))) as pool:
+            list(pool.map(lambda file: self._upload_file(file, f"{remote}/{file.name}"), files))
+        return sum(file.stat().st_size for file in files)
 
     def upload_metadata(self, name: str, rank: int) -> None:
         """Upload ``.metadata``, the completeness marker (a single atomic object PUT)."""

@@ -76,6 +76,7 @@ class Breakdown:
     steps_recomputed: int = 0
     kept_step_seconds: list[float] = field(default_factory=list, repr=False)
     save_stalls: list[float] = field(default_factory=list, repr=False)
+    durable_latencies: list[float] = field(default_factory=list, repr=False)  # each save's start to durable
     restarts: list[float] = field(default_factory=list, repr=False)  # init_restart + restore of each restart
 
     @property
@@ -130,6 +131,7 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
         lost_after = min(later_restores) if later_restores else None  # steps above it were redone
         setup = max(0.0, attempt.first_work() - boundary)
         result.init_restart += setup
+        save_started: dict[int, float] = {}
         for event in attempt.events:
             duration = event["t"] - event.get("t_start", event["t"])
             if event["kind"] == "step":
@@ -145,6 +147,9 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
             elif event["kind"] == "save":
                 result.save_stall += duration
                 result.save_stalls.append(duration)
+                save_started[event["step"]] = event["t_start"]
+            elif event["kind"] == "durable" and event["step"] in save_started:
+                result.durable_latencies.append(event["t"] - save_started[event["step"]])
             elif event["kind"] == "restore":
                 result.restore += duration
                 if index > 0:

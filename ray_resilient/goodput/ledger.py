@@ -145,7 +145,8 @@ def load_events(run_dir: str) -> list[dict[str, Any]]:
 
 
 def measured_inputs(run_dir: str) -> MeasuredInputs:
-    """The planner's inputs measured by a run: median save stall, restart and kept step time.
+    """The planner's inputs measured by a run: median save stall, restart, kept step time and
+    time from a save's start to durable.
 
     The restart is the whole cost of one: from the failed attempt's last event to the restored
     attempt's first step (detection, new workers, restore).
@@ -155,4 +156,5 @@ def measured_inputs(run_dir: str) -> MeasuredInputs:
         save_stall_s=median(breakdown.save_stalls) if breakdown.save_stalls else None,
         restart_s=median(breakdown.restarts) if breakdown.restarts else None,
         step_s=median(breakdown.kept_step_seconds) if breakdown.kept_step_seconds else None,
+        durable_latency_s=median(breakdown.durable_latencies) if breakdown.durable_latencies else None,
     )

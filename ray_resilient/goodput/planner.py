@@ -138,10 +138,12 @@ def daly_interval(save_stall_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * save_stall_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - save_stall_s
 
 
-def interval_steps_for(mtbf_s: float, save_stall_s: float, step_s: float) -> int:
-    """Daly's interval in whole training steps of ``step_s`` seconds (at least 1)."""
+def interval_steps_for(mtbf_s: float, save_stall_s: float, step_s: float, durable_s: float = 0.0) -> int:
+    """Daly's interval in whole training steps of ``step_s`` seconds (at least 1), and never
+    shorter than ``durable_s``, the time a save takes to become durable: saves are written one
+    after another, so a shorter interval would only defer saves."""
     _require("step_s", step_s, positive=True)
-    return max(1, round(daly_interval(save_stall_s, mtbf_s) / step_s))
+    return max(1, round(daly_interval(save_stall_s, mtbf_s) / step_s), math.ceil(durable_s / step_s))
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class MeasuredInputs:
     save_stall_s: float | None
     restart_s: float | None
     step_s: float | None
+    durable_latency_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -233,9 +236,11 @@ def make_plan(
         young = young_interval(save_stall_s, mtbf_s)
         daly = daly_interval(save_stall_s, mtbf_s)
         optimal = expected_goodput(daly, save_stall_s, restart_s, mtbf_s, durable_latency_s)
-        recommended = daly
+        # Never shorter than a save's time to durable: saves are written one after another, so
+        # a shorter interval only defers them.
+        recommended = max(daly, durable_latency_s)
         if step_s is not None:
-            steps = interval_steps_for(mtbf_s, save_stall_s, step_s)
+            steps = interval_steps_for(mtbf_s, save_stall_s, step_s, durable_latency_s)
             recommended = steps * step_s
         labels = {daly * f: "" for f in TABLE_FACTORS}
         labels[young] = "Young"
@@ -274,10 +279,9 @@ def plan_from_measured(
     *,
     run_s: float | None = None,
     interval_s: float | None = None,
-    durable_latency_s: float = 0.0,
 ) -> Plan:
-    """:func:`make_plan` with the save stall, restart time and step time a run measured
-    (a restart it did not measure counts as 0)."""
+    """:func:`make_plan` with the save stall, restart time, step time and durable latency a run
+    measured (a restart or durable latency it did not measure counts as 0)."""
     return make_plan(
         mtbf_s,
         run_s=run_s,
@@ -285,5 +289,5 @@ def plan_from_measured(
         restart_s=0.0 if measured.restart_s is None else measured.restart_s,
         interval_s=interval_s,
         step_s=measured.step_s,
-        durable_latency_s=durable_latency_s,
+        durable_latency_s=0.0 if measured.durable_latency_s is None else measured.durable_latency_s,
     )
