@@ -6,11 +6,12 @@ buffers are kept for the next save, so after the first save staging allocates no
 DTensor (FSDP2, tensor parallel) is staged as a DTensor with the same mesh and placements over a
 host copy of its local shard: each rank stages only what it holds.
 
-Not DCP's ``DefaultStager``: in torch 2.11 (what current GPU images ship) its ``stage()`` closes
-the inner ``StateDictStager`` after every call, which empties its type dispatch table, so the
-second ``stage()`` on the same stager raises ``KeyError: <class 'type'>``, and its storage cache,
-so no buffer is ever reused (fresh pinned memory every save). This stager behaves the same on
-every supported torch, and is the copy floor the benchmarks measure against.
+Not DCP's ``DefaultStager``: in torch 2.11 and 2.12 (2.11 is what current GPU images ship; 2.13
+and 2.14 are fine) its ``stage()`` closes the inner ``StateDictStager`` after every call, which
+empties its type dispatch table, so the second ``stage()`` on the same stager raises
+``KeyError: <class 'type'>``, and its storage cache, so no buffer is ever reused (fresh pinned
+memory every save). This stager behaves the same on every supported torch, and is the copy floor
+the benchmarks measure against.
 """
 
 from __future__ import annotations
