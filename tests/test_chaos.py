@@ -217,8 +217,12 @@ def test_exhausted_max_failures_raise_a_clear_error_and_keep_every_committed_che
         tmp_path / "rec", "kill:step=8;kill:durable=10"), **config.trainer_kwargs())
     with pytest.raises(RunFailedError) as failure:
         config.fit(trainer)
-    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "exhausted"))
-    assert [c.step for c in checkpoints] == [5, 10] and all(c.complete for c in checkpoints)
+    found = list_checkpoints(pafs.LocalFileSystem(), str(storage / "exhausted"))
+    checkpoints = [c for c in found if c.complete]
+    assert [c.step for c in checkpoints] == [5, 10]
+    # A save staged while checkpoint 10 was still being written may be left partial by the kill
+    # (it is never loaded, and the next start collects it); nothing older than 10 is.
+    assert all(c.step > 10 for c in found if not c.complete)
     message = str(failure.value)
     assert "max_failures=1" in message and f"{checkpoints[-1].path} (step 10)" in message
     assert "start the driver again with the same name" in message

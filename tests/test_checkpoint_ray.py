@@ -19,7 +19,11 @@ def test_uninterrupted_run_registers_complete_checkpoints_and_keeps_num_to_keep(
     result = reference["result"]
     experiment = str(reference["dir"] / "storage" / "reference")
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), experiment)
-    assert [c.step for c in checkpoints] == [20, 24]  # num_to_keep=2 of 5, 10, 15, 20, 24
+    restored = [a["restored_step"] for a in trainlib.read_attempts(str(reference["record"]))]
+    assert restored == [0], f"the reference run was restarted (attempts restored steps {restored})"
+    assert result.metrics["checkpoint_failed_saves"] == 0, f"the reference run failed saves: {result.metrics}"
+    # num_to_keep=2 of 5, 10, 15, 20, 24
+    assert [c.step for c in checkpoints] == [20, 24], f"{checkpoints}; final metrics {result.metrics}"
     assert all(c.complete for c in checkpoints)
     assert result.checkpoint.path == checkpoints[-1].path
     assert result.metrics["step"] == 24 and result.metrics["checkpoint_failed_saves"] == 0
