@@ -122,7 +122,8 @@ def kept_losses(record_dir: str) -> dict[int, float]:
 
 def build_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, CLASSES))
 
 
 def parallelize(model: torch.nn.Module, parallelism: str) -> torch.nn.Module:

@@ -8,10 +8,13 @@ Layout of the DCP state dict (all plain DCP, loadable without this package)::
     grad_scaler           torch.amp.GradScaler.state_dict() (when given and enabled)
     extras.<name>         each user Stateful's state_dict()
     train_state           {"step", "epoch", "world_size", "seed"}
-    rank_state.rank_<r>   per rank: {"rng": ..., "data": ...}
+    rank_state.rank_<r>   per rank: {"rng": ..., "data": ..., "buffers": ...}
 
 Per-rank state lives under per-rank keys: under one shared key DCP would deduplicate it and only
-one rank's RNG would survive.
+one rank's RNG would survive. Model buffers (BatchNorm running statistics) are per-rank state:
+each rank updates them from its own batches (DDP overwrites them with rank 0's at the next
+forward, FSDP2 never does), so ``model`` holds rank 0's and each rank's own are restored from
+its ``rank_state`` entry when the world size is unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ TRAIN_STATE = "train_state"
 RANK_STATE = "rank_state"
 RNG = "rng"
 DATA = "data"
+BUFFERS = "buffers"
 
 
 def rank_key(rank: int) -> str:
@@ -99,6 +103,16 @@ def reseed_rng(seed: int, step: int, rank: int) -> None:
     random.seed(derived)
     np.random.seed(derived)
     torch.manual_seed(derived)
+
+
+def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's live persistent buffers, by their key in the (wrapper-free) model state dict."""
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    return {
+        key.replace("_orig_mod.", ""): value
+        for key, value in module.state_dict(keep_vars=True).items()
+        if not isinstance(value, torch.nn.Parameter)
+    }
 
 
 def own_share(tree: Mapping[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -179,18 +193,24 @@ class TrainingComponents:
     def state_to_save(self, train_state: TrainState, rank: int) -> dict[str, Any]:
         """The DCP state dict this rank saves (tensors still live; the stager copies them).
 
-        With DDP every rank holds the same model and optimizer tensors, and DCP would write
+        With DDP every rank holds the same parameters and optimizer state, and DCP would write
         each once anyway: each rank hands over only its share (:func:`own_share`), so each
-        stages half (with 2 ranks) of the replicated state. The checkpoint is the same.
+        stages half (with 2 ranks) of the replicated state. Buffers differ between ranks: the
+        shared ``model`` entry takes rank 0's, and each rank saves its own in ``rank_state``.
         """
-        rank_state: dict[str, Any] = {RNG: capture_rng_state()}
+        buffers = model_buffers(self.model)
+        rank_state: dict[str, Any] = {RNG: capture_rng_state(), BUFFERS: buffers}
         if self.data is not None:
             rank_state[DATA] = self.data.state_dict()
         state = self._shared_state()
-        if train_state.world_size > 1 and isinstance(self.model, DistributedDataParallel):
-            for key in (MODEL, OPTIMIZER):
-                if key in state:
-                    state[key] = own_share(state[key], rank, train_state.world_size)
+        if train_state.world_size > 1:
+            rank0_buffers = {key: state[MODEL].pop(key) for key in buffers if key in state[MODEL]}
+            if isinstance(self.model, DistributedDataParallel):
+                for key in (MODEL, OPTIMIZER):
+                    if key in state:
+                        state[key] = own_share(state[key], rank, train_state.world_size)
+            if rank == 0:
+                state[MODEL].update(rank0_buffers)
         state[TRAIN_STATE] = train_state.state_dict()
         state[RANK_STATE] = {rank_key(rank): rank_state}
         return state
@@ -211,7 +231,8 @@ class TrainingComponents:
         return state
 
     def _rank_placeholder(self) -> dict[str, Any]:
-        placeholder: dict[str, Any] = {RNG: capture_rng_state()}
+        buffers = {key: value.detach().clone() for key, value in model_buffers(self.model).items()}
+        placeholder: dict[str, Any] = {RNG: capture_rng_state(), BUFFERS: buffers}
         if self.data is not None:
             placeholder[DATA] = self.data.state_dict()
         return placeholder
@@ -235,6 +256,10 @@ class TrainingComponents:
         warnings = []
         if saved.world_size == world_size:
             own = state[RANK_STATE][rank_key(rank)]
+            live = model_buffers(self.model)
+            with torch.no_grad():
+                for key, value in own[BUFFERS].items():
+                    live[key].copy_(value)
             restore_rng_state(own[RNG])
             if self.data is not None:
                 self.data.load_state_dict(own[DATA])
@@ -242,7 +267,8 @@ class TrainingComponents:
         reseed_rng(saved.seed, saved.step, rank)
         warnings.append(
             f"world size changed from {saved.world_size} to {world_size}: RNG streams re-derived "
-            f"from (seed={saved.seed}, step={saved.step}, rank={rank}) instead of restored"
+            f"from (seed={saved.seed}, step={saved.step}, rank={rank}) instead of restored, and model "
+            "buffers (e.g. BatchNorm statistics) taken from old rank 0"
         )
         if isinstance(self.data, ReshardableStateful):
             old = [state[RANK_STATE][rank_key(r)][DATA] for r in range(saved.world_size)]
