@@ -19,6 +19,10 @@ Each choice, and why:
   considers it every ``resize_check_s`` (default 5 minutes); a failure restart also grows.
 - ``CheckpointConfig(num_to_keep=3)``: the newest checkpoint plus fallbacks in case it turns out
   unreadable; older ones are deleted as new ones are registered.
+- ``RunConfig(callbacks=[StopOnIncompatibleCheckpoint()])``: a checkpoint that does not fit the
+  job (it changed: a layer's shape, the dataset) fails every restart the same way, so the run
+  ends at the first :class:`~ray_resilient.IncompatibleCheckpointError` instead of spending
+  ``max_failures`` on it; :meth:`ResilientRayConfig.fit` raises that error.
 - Environment for Ray Train's controller and workers (exported by :meth:`trainer_kwargs`; Ray
   passes it from the driver to them; a value already set in the environment wins):
 
@@ -51,9 +55,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
-from ray.train import CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError
+from ray.train import (
+    CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError, UserCallback,
+)
 
 from ray_resilient.checkpoint.layout import list_checkpoints
+from ray_resilient.checkpoint.restore import IncompatibleCheckpointError
 from ray_resilient.goodput.ledger import LedgerWriter, run_storage
 from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES, worker_env
 
@@ -61,6 +68,15 @@ RECOMMENDED_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
 }
+
+
+class StopOnIncompatibleCheckpoint(UserCallback):
+    """Ends the run (no restart) when a worker raised :class:`~ray_resilient.IncompatibleCheckpointError`."""
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        for error in worker_exceptions.values():
+            if isinstance(error, IncompatibleCheckpointError):
+                raise IncompatibleCheckpointError(str(error))
 
 
 class RunFailedError(RuntimeError):
@@ -90,7 +106,8 @@ class ResilientRayConfig:
 
         When Ray gives up on the run, raises :class:`RunFailedError`, which names the exhausted
         ``max_failures``, the last error, and the newest complete checkpoint, which a driver
-        started again with the same name and storage path resumes from.
+        started again with the same name and storage path resumes from; when the run's
+        checkpoints do not fit the job, raises :class:`~ray_resilient.IncompatibleCheckpointError`.
         """
         run = self.run_config
         filesystem, run_dir = self._run_storage()
@@ -100,6 +117,8 @@ class ResilientRayConfig:
         try:
             return trainer.fit()
         except TrainingFailedError as err:
+            if isinstance(getattr(err, "controller_failure", None), IncompatibleCheckpointError):
+                raise IncompatibleCheckpointError(str(err.controller_failure)) from err
             complete = [c for c in list_checkpoints(filesystem, run_dir) if c.complete]
             kept = (f"the newest complete checkpoint is {complete[-1].path} (step {complete[-1].step})" if complete
                     else "no checkpoint was completed")
@@ -164,6 +183,7 @@ def recommended_ray_config(
         storage_filesystem=storage_filesystem,
         failure_config=FailureConfig(max_failures=max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
+        callbacks=[StopOnIncompatibleCheckpoint()],
         worker_runtime_env={"env_vars": worker_env(preload, scaling.num_cpus_per_worker)} if spare_workers else None,
     )
     return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})})

@@ -77,6 +77,19 @@ def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, t
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
+def test_three_failed_saves_in_a_row_fail_the_attempt_and_the_restart_trains_on(reference, tmp_path, capfd):
+    record = tmp_path / "rec"
+    plan = ";".join(f"fail_write:upload={step}:rank=1" for step in (5, 10, 15))
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, plan), str(tmp_path / "storage"),
+                              "escalating", num_to_keep=None)
+    assert result.error is None
+    # Nothing was ever durable: the second attempt starts over and saves normally.
+    assert [a["restored_step"] for a in trainlib.read_attempts(str(record))] == [0, 0]
+    assert "3 checkpoint saves in a row failed (the last, at step 15" in capfd.readouterr().err
+    assert result.metrics["checkpoint_failed_saves"] == 0
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
+
+
 def test_writes_slower_than_the_interval_defer_saves_instead_of_stalling_the_loop(reference, tmp_path):
     from ray_resilient.goodput import read_events
 

@@ -81,6 +81,31 @@ def test_breakdown_of_a_run_with_a_failure_recomputed_steps_and_a_driver_rerun(l
     assert (breakdown.attempts, breakdown.failures, breakdown.steps_kept, breakdown.steps_recomputed) == (3, 2, 5, 2)
 
 
+def test_an_attempt_killed_before_its_restore_charges_no_kept_step_as_wasted(tmp_path):
+    """The real run of issue 14: 4 attempts, one killed before its restore, the others resuming at
+    step 20, final step 72. A: fresh, steps 1-25 (checkpoint 20), killed; B: killed while starting;
+    C: restores 20, steps 21-27, killed; D: restores 20, steps 21-72, finishes."""
+    fs, run_dir = pafs.LocalFileSystem(), str(tmp_path / "runs" / "r")
+    t = 0.0
+    for name, restored, last in (("A", 0, 25), ("B", None, None), ("C", 20, 27), ("D", 20, 72)):
+        ledger = LedgerWriter(fs, run_dir, 0, str(tmp_path / "spool"), upload_seconds=0.05)
+        t += 1
+        ledger.record("attempt_start", t=t, world_size=2)
+        if restored is not None:
+            ledger.record("restore", t=t + 1, t_start=t, step=restored)
+            t += 1
+            for step in range(restored + 1, last + 1):
+                ledger.record("step", t=t + 1, t_start=t, step=step, data_wait=0.0)
+                t += 1
+        if name == "D":
+            ledger.record("finish", t=t, step=72)
+        ledger.close()
+    breakdown = account(read_events(fs, run_dir))
+    assert (breakdown.attempts, breakdown.failures) == (4, 3)
+    assert breakdown.steps_kept == 72 and breakdown.steps_recomputed == (25 - 20) + (27 - 20)
+    assert breakdown.productive == pytest.approx(72.0) and breakdown.wasted == pytest.approx(12.0)
+
+
 def test_measured_inputs_are_the_medians_of_the_run(local_run):
     measured = measured_inputs(local_run)
     assert measured.save_stall_s == pytest.approx(0.5)

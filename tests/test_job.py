@@ -147,3 +147,31 @@ def test_the_image_job_with_fsdp2_recovers_a_kill_and_exports_the_whole_model(tm
     # The shards of both ranks, gathered into one plain state dict, give the job's own accuracy.
     exported = exported_model_accuracy(run_dir / "final_model.pt", tmp_path / "data" / "shapes" / "val")
     assert exported == pytest.approx(result["val_accuracy"], abs=0.03)
+
+
+@pytest.mark.slow
+def test_the_image_job_on_a_changed_dataset_stops_at_once_and_keeps_every_checkpoint(tmp_path):
+    """The same run name on a volume with more images: the saved data position does not fit. The
+    run must end at the first attempt with an error naming the checkpoint and the change, instead of
+    falling back, starting fresh or spending its restarts, and keep every checkpoint."""
+    from make_image_volume import make_image_volume
+
+    for name, per_class in (("A", 40), ("B", 48)):
+        for split, count in (("train", per_class), ("val", 10)):
+            make_image_volume(pafs.LocalFileSystem(), str(tmp_path / name / split), classes=4, per_class=count, size=32,
+                              seed=1)
+    arguments = ["--epochs", "2", "--interval", "1", "--storage-path", str(tmp_path / "runs"), "--name", "r"]
+    run_image_job(tmp_path, ["--volume", str(tmp_path / "A"), *arguments])
+    run_dir = str(tmp_path / "runs" / "r")
+    before = list_checkpoints(pafs.LocalFileSystem(), run_dir)
+    assert before[-1].complete
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "train_images.py"), "--volume", str(tmp_path / "B"),
+                          *arguments], capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert "IncompatibleCheckpointError" in log and f"checkpoint {before[-1].path}" in log, log[-5000:]
+    assert "saved for another volume listing" in log and "start it as a new run" in log
+    assert "[attempt 2]" not in log and "starting fresh" not in log
+    assert list_checkpoints(pafs.LocalFileSystem(), run_dir) == before

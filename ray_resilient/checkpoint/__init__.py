@@ -2,6 +2,7 @@
 
 from ray_resilient.checkpoint.layout import CheckpointDir, is_complete, list_checkpoints
 from ray_resilient.checkpoint.manager import CheckpointManager, CheckpointSaveError
+from ray_resilient.checkpoint.restore import IncompatibleCheckpointError, NoLoadableCheckpointError
 from ray_resilient.checkpoint.state import ReshardableStateful, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
 
@@ -10,6 +11,8 @@ __all__ = [
     "CheckpointManager",
     "CheckpointSaveError",
     "CheckpointStorage",
+    "IncompatibleCheckpointError",
+    "NoLoadableCheckpointError",
     "ReshardableStateful",
     "TrainState",
     "is_complete",

@@ -33,3 +33,12 @@ def broadcast_from_rank0(group: dist.ProcessGroup | None, value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
+
+
+def worst_on_any_rank(group: dist.ProcessGroup | None, outcome: tuple[int, str]) -> tuple[int, str]:
+    """The ``(severity, message)`` of highest severity over every rank (picklable message)."""
+    if group is None:
+        return outcome
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, outcome, group=group)
+    return max(outcomes, key=lambda o: o[0])

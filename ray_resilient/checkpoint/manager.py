@@ -48,7 +48,7 @@ AUTO_FIRST_STEPS = 10  # interval_steps="auto": the first checkpoint, which meas
 
 
 class CheckpointSaveError(RuntimeError):
-    """The final checkpoint could not be made durable."""
+    """The final checkpoint, or too many saves in a row, could not be made durable."""
 
 
 def _already_durable(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
@@ -94,6 +94,11 @@ class CheckpointManager:
             counted in ``checkpoint_deferred_saves``) instead of waiting. 1 halves the memory.
         write_threads: files each rank writes in parallel (DCP's ``thread_count``), each
             uploaded in parallel to remote storage.
+        max_failed_saves_in_a_row: after this many saves in a row failed, raise
+            :class:`CheckpointSaveError` (the attempt fails and Ray's ``FailureConfig`` restarts
+            the worker group, or ends the run with the reason) instead of training on with
+            nothing durable. A failed save alone is logged, counted and retried at the next
+            interval.
         storage: where checkpoints go; defaults to the Ray run's storage.
         faults: a fault-injection plan (see :mod:`ray_resilient.faults`); defaults to the
             ``RAY_RESILIENT_FAULTS`` environment variable, normally unset (no faults).
@@ -118,6 +123,7 @@ class CheckpointManager:
         preemption_check_steps: int = 10,
         staging_buffers: int = 2,
         write_threads: int = 4,
+        max_failed_saves_in_a_row: int = 3,
         storage: CheckpointStorage | None = None,
         faults: str | None = None,
         goodput_logger: MetricsLogger | str | None = "mlflow",
@@ -128,6 +134,8 @@ class CheckpointManager:
                 raise ValueError(f'interval_steps="auto" needs the job\'s mtbf_s (seconds, > 0), got {mtbf_s}')
         elif not isinstance(interval_steps, int) or interval_steps < 1:
             raise ValueError(f'interval_steps must be an int >= 1 or "auto", got {interval_steps!r}')
+        if max_failed_saves_in_a_row < 1:
+            raise ValueError(f"max_failed_saves_in_a_row must be >= 1, got {max_failed_saves_in_a_row}")
         if preemption_check_steps < 1:
             raise ValueError(f"preemption_check_steps must be >= 1, got {preemption_check_steps}")
         self.components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
@@ -137,6 +145,7 @@ class CheckpointManager:
         self._next_auto_save = AUTO_FIRST_STEPS
         self._step_seconds: deque[float] = deque(maxlen=50)  # recent step times (for "auto")
         self.preemption_check_steps = preemption_check_steps
+        self.max_failed_saves_in_a_row = max_failed_saves_in_a_row
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
@@ -159,6 +168,7 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self.saved_for_preemption = False  # a just-in-time checkpoint was taken
         self.failed_saves = 0  # saves that did not become durable
+        self._failed_in_a_row = 0
         self.deferred_saves = 0  # due saves that waited for a staging buffer set (writes slower than the interval)
         self.checkpoints_committed = 0  # saves of this attempt every rank made durable
         self.saves_started = 0  # saves of this attempt staged (the loop stalled for each)
@@ -185,8 +195,11 @@ class CheckpointManager:
         """Restore the newest complete checkpoint of the run (or start fresh) and say where.
 
         Complete checkpoints Ray never registered count too; partial ones are skipped (and
-        deleted once older than a complete one); one that fails to load is skipped with a
-        warning in favour of the previous complete one.
+        deleted once older than a complete one); one that cannot be read is skipped with a
+        warning in favour of the previous complete one. Raises ``IncompatibleCheckpointError``
+        when the newest readable checkpoint does not fit the job, and ``NoLoadableCheckpointError``
+        when none can be read (see :mod:`ray_resilient.checkpoint.restore`): the run never starts
+        fresh over complete checkpoints.
         """
         started, wall_started = time.monotonic(), time.time()
         group = self._writer.group
@@ -206,8 +219,8 @@ class CheckpointManager:
             self.storage, plan.candidates, self.components, self.rank, self.world_size, group
         )
         if loaded is None:
-            if plan.candidates or plan.partial:
-                logger.warning("No loadable complete checkpoint in %s: starting fresh", self.storage.experiment_path)
+            if plan.partial:
+                logger.warning("No complete checkpoint in %s: starting fresh", self.storage.experiment_path)
             self._restored(wall_started)
             return self.train_state
         ckpt, saved = loaded
@@ -372,6 +385,7 @@ class CheckpointManager:
         for result in results:
             metrics, wall_started = self._in_flight.popleft()
             if result.ok:
+                self._failed_in_a_row = 0
                 self.checkpoints_committed += 1
                 self.last_save = result
                 self.goodput.durable(result.step, wall_started + result.durable_seconds)
@@ -384,8 +398,15 @@ class CheckpointManager:
                 })
             else:
                 self.failed_saves += 1
+                self._failed_in_a_row += 1
                 if self._last_saved_step == result.step:
                     self._last_saved_step = None
+                if self._failed_in_a_row >= self.max_failed_saves_in_a_row:
+                    raise CheckpointSaveError(
+                        f"{self._failed_in_a_row} checkpoint saves in a row failed (the last, at step {result.step}: "
+                        f"{result.error}); stopping this attempt rather than training on with nothing durable. "
+                        "Check the storage (space, permissions, credentials)."
+                    )
                 logger.error("Checkpoint at step %d not saved (%s); retrying at the next interval (%d failed so far)",
                              result.step, result.error, self.failed_saves)
         return results

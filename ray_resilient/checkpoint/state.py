@@ -237,8 +237,26 @@ class TrainingComponents:
             placeholder[DATA] = self.data.state_dict()
         return placeholder
 
+    def apply_data_position(self, state: dict[str, Any], saved: TrainState, rank: int, world_size: int) -> list[str]:
+        """Hand the loaded data position to ``data``, which refuses one of another dataset by
+        raising. Returns warnings."""
+        if self.data is None:
+            return []
+        if saved.world_size == world_size:
+            self.data.load_state_dict(state[RANK_STATE][rank_key(rank)][DATA])
+            return []
+        if isinstance(self.data, ReshardableStateful):
+            self.data.load_resharded_state_dicts([state[RANK_STATE][rank_key(r)][DATA] for r in range(saved.world_size)])
+            return []
+        return [
+            f"world size changed from {saved.world_size} to {world_size} and "
+            f"{type(self.data).__name__} cannot reshard its position: it starts from its "
+            "initial state (implement load_resharded_state_dicts to continue exactly)"
+        ]
+
     def apply_loaded(self, state: dict[str, Any], saved: TrainState, rank: int, world_size: int) -> list[str]:
-        """Push loaded state into the live objects. Returns warnings about per-rank state."""
+        """Push the loaded model, optimizer, scheduler, scaler, extras, buffers and RNG streams into
+        the live objects (the data position is :meth:`apply_data_position`'s). Returns warnings."""
         optimizers = () if self.optimizer is None else (self.optimizer,)
         set_state_dict(
             self.model,
@@ -252,8 +270,6 @@ class TrainingComponents:
             self.grad_scaler.load_state_dict(state[GRAD_SCALER])
         for name, obj in self.extras.items():
             obj.load_state_dict(state[EXTRAS][name])
-
-        warnings = []
         if saved.world_size == world_size:
             own = state[RANK_STATE][rank_key(rank)]
             live = model_buffers(self.model)
@@ -261,22 +277,10 @@ class TrainingComponents:
                 for key, value in own[BUFFERS].items():
                     live[key].copy_(value)
             restore_rng_state(own[RNG])
-            if self.data is not None:
-                self.data.load_state_dict(own[DATA])
-            return warnings
+            return []
         reseed_rng(saved.seed, saved.step, rank)
-        warnings.append(
+        return [
             f"world size changed from {saved.world_size} to {world_size}: RNG streams re-derived "
             f"from (seed={saved.seed}, step={saved.step}, rank={rank}) instead of restored, and model "
             "buffers (e.g. BatchNorm statistics) taken from old rank 0"
-        )
-        if isinstance(self.data, ReshardableStateful):
-            old = [state[RANK_STATE][rank_key(r)][DATA] for r in range(saved.world_size)]
-            self.data.load_resharded_state_dicts(old)
-        elif self.data is not None:
-            warnings.append(
-                f"world size changed from {saved.world_size} to {world_size} and "
-                f"{type(self.data).__name__} cannot reshard its position: it starts from its "
-                "initial state (implement load_resharded_state_dicts to continue exactly)"
-            )
-        return warnings
+        ]

@@ -46,8 +46,9 @@ class Attempt:
         return self.events[-1]["t"]
 
     @property
-    def restored_step(self) -> int:
-        return next((e["step"] for e in self.events if e["kind"] == "restore"), 0)
+    def restored_step(self) -> int | None:
+        """The step it resumed from (0: a fresh start); None when it died before restoring."""
+        return next((e["step"] for e in self.events if e["kind"] == "restore"), None)
 
     @property
     def finished(self) -> bool:
@@ -115,6 +116,13 @@ def group_attempts(events: Iterable[Mapping[str, Any]]) -> tuple[list[Attempt], 
     return sorted(attempts, key=lambda a: a.start), sorted(job_starts)
 
 
+def lost_after(attempts: list[Attempt], index: int) -> int | None:
+    """The step above which attempt ``index``'s steps were computed again by a later attempt (None:
+    every step kept). An attempt that died before restoring recomputed nothing and does not count."""
+    restores = [a.restored_step for a in attempts[index + 1:] if a.restored_step is not None]
+    return min(restores) if restores else None
+
+
 def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Breakdown:
     """The breakdown of a run's wall time from its events (up to ``now``, default the last event)."""
     attempts, job_starts = group_attempts(events)
@@ -127,15 +135,14 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
     result.attempts = len(attempts)
     boundary = start
     for index, attempt in enumerate(attempts):
-        later_restores = [a.restored_step for a in attempts[index + 1:]]
-        lost_after = min(later_restores) if later_restores else None  # steps above it were redone
+        lost = lost_after(attempts, index)
         setup = max(0.0, attempt.first_work() - boundary)
         result.init_restart += setup
         save_started: dict[int, float] = {}
         for event in attempt.events:
             duration = event["t"] - event.get("t_start", event["t"])
             if event["kind"] == "step":
-                if lost_after is not None and event["step"] > lost_after:
+                if lost is not None and event["step"] > lost:
                     result.wasted += duration
                     result.steps_recomputed += 1
                 else:

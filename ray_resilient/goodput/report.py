@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts
+from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts, lost_after
 from ray_resilient.goodput.ledger import load_events
 
 NOTES = (
@@ -64,13 +64,12 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
     marks: dict[str, list[tuple[float, int]]] = defaultdict(list)  # kind -> (seconds, lane)
     boundary = start
     for lane, attempt in enumerate(attempts):
-        later_restores = [a.restored_step for a in attempts[lane + 1:]]
-        lost_after = min(later_restores) if later_restores else None  # the same rule as account()
+        lost = lost_after(attempts, lane)
         bars[lane]["init"].append((boundary - start, max(0.0, attempt.first_work() - boundary)))
         for event in attempt.events:
             t0, duration = event.get("t_start", event["t"]) - start, event["t"] - event.get("t_start", event["t"])
             if event["kind"] == "step":
-                if lost_after is not None and event["step"] > lost_after:
+                if lost is not None and event["step"] > lost:
                     bars[lane]["wasted"].append((t0, duration))
                 else:
                     wait = min(event.get("data_wait", 0.0), duration)
@@ -124,4 +123,5 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
 
 def _lane_label(index: int, attempt: Attempt) -> str:
     world_size = next((e.get("world_size", "?") for e in attempt.events if e["kind"] == "attempt_start"), "?")
-    return f"attempt {index + 1}\nworld size {world_size}, from step {attempt.restored_step}"
+    start = "died before restoring" if attempt.restored_step is None else f"from step {attempt.restored_step}"
+    return f"attempt {index + 1}\nworld size {world_size}, {start}"

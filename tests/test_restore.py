@@ -1,0 +1,140 @@
+"""Restore in one process (no Ray): an unreadable checkpoint is skipped, one that does not fit the job
+stops the restore at once, and neither leaves the job running on half-applied state."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from ray_resilient.checkpoint.layout import checkpoint_dir_name, list_checkpoints
+from ray_resilient.checkpoint.restore import (
+    IncompatibleCheckpointError,
+    NoLoadableCheckpointError,
+    find_complete_checkpoints,
+    load_newest_loadable,
+)
+from ray_resilient.checkpoint.state import TrainingComponents, TrainState
+from ray_resilient.checkpoint.storage import CheckpointStorage
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
+from ray_resilient.faults import FaultInjector
+
+
+class DataPosition:
+    """A data position that, like ``VolumeDataLoader``'s, refuses one saved for another dataset."""
+
+    def __init__(self, dataset: str) -> None:
+        self.dataset, self.position = dataset, 0
+
+    def state_dict(self) -> dict:
+        return {"dataset": self.dataset, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["dataset"] != self.dataset:
+            raise ValueError(f"position saved for dataset {state['dataset']!r}, this job reads {self.dataset!r}")
+        self.position = state["position"]
+
+
+@pytest.fixture
+def storage(tmp_path) -> CheckpointStorage:
+    return CheckpointStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
+
+
+def components(seed: int, hidden: int = 16, scheduler: bool = True, dataset: str = "A") -> TrainingComponents:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.Linear(hidden, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10) if scheduler else None
+    return TrainingComponents(model, optimizer, lr_scheduler=lr_scheduler, data=DataPosition(dataset))
+
+
+def write_checkpoints(storage: CheckpointStorage, steps=(5, 10)) -> None:
+    writer = AsyncCheckpointWriter(storage, 0, FaultInjector([], 0, storage.filesystem, "/nonexistent"))
+    for step in steps:
+        saved = components(step)
+        saved.data.position = step
+        writer.save(saved.state_to_save(TrainState(step=step), rank=0), step, checkpoint_dir_name(step, 0))
+        assert writer.collect()[-1].ok
+    writer.close()
+
+
+def snapshot(job: TrainingComponents) -> dict:
+    state = {f"model.{k}": v.clone() for k, v in job.model.state_dict().items()}
+    state["scheduler"] = dict(job.lr_scheduler.state_dict()) if job.lr_scheduler else None
+    state["position"] = job.data.position
+    return state
+
+
+def assert_untouched(job: TrainingComponents, before: dict) -> None:
+    after = snapshot(job)
+    assert after.keys() == before.keys()
+    for key in before:
+        if isinstance(before[key], torch.Tensor):
+            assert torch.equal(after[key], before[key]), key
+        else:
+            assert after[key] == before[key], key
+
+
+def restore(storage: CheckpointStorage, job: TrainingComponents):
+    plan = find_complete_checkpoints(storage, registered_path=None)
+    return load_newest_loadable(storage, plan.candidates, job, rank=0, world_size=1, group=None)
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(dataset="B"), "dataset 'A'"),
+    (dict(hidden=32), "shape (16, 8) in it, (32, 8) in the job"),
+    (dict(scheduler=False), "it has a lr_scheduler, the job has none"),
+])
+def test_a_changed_job_stops_the_restore_naming_the_checkpoint_and_touches_nothing(storage, change, named):
+    write_checkpoints(storage)
+    job = components(99, **change)
+    before = snapshot(job)
+    with pytest.raises(IncompatibleCheckpointError) as refused:
+        restore(storage, job)
+    message = str(refused.value)
+    assert checkpoint_dir_name(10, 0) in message and named in message and "new run" in message
+    assert_untouched(job, before)  # the dataset check runs before the model is read
+    assert [c.step for c in list_checkpoints(storage.filesystem, storage.experiment_path) if c.complete] == [5, 10]
+
+
+def test_an_added_scheduler_stops_the_restore(storage):
+    writer_job = components(5, scheduler=False)
+    writer = AsyncCheckpointWriter(storage, 0, FaultInjector([], 0, storage.filesystem, "/nonexistent"))
+    writer.save(writer_job.state_to_save(TrainState(step=5), rank=0), 5, checkpoint_dir_name(5, 0))
+    assert writer.collect()[-1].ok
+    writer.close()
+    job = components(99)
+    before = snapshot(job)
+    with pytest.raises(IncompatibleCheckpointError, match="it has no lr_scheduler, the job has one"):
+        restore(storage, job)
+    assert_untouched(job, before)
+
+
+def test_a_truncated_shard_is_unreadable_and_the_previous_checkpoint_loads_whole(storage, tmp_path, caplog):
+    write_checkpoints(storage)
+    newest = tmp_path / "run" / checkpoint_dir_name(10, 0)
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
+    job = components(99)
+    loaded = restore(storage, job)
+    assert loaded is not None and loaded[1].step == 5 and job.data.position == 5
+    expected = components(5)
+    for key, value in expected.model.state_dict().items():
+        assert torch.equal(job.model.state_dict()[key], value), key
+    assert "failed to load" in caplog.text and "retrying" in caplog.text
+
+
+def test_when_no_complete_checkpoint_reads_the_restore_fails_instead_of_starting_fresh(storage, tmp_path):
+    write_checkpoints(storage)
+    for step in (5, 10):
+        directory = tmp_path / "run" / checkpoint_dir_name(step, 0)
+        for name in os.listdir(directory):
+            if name.endswith(".distcp"):
+                os.remove(directory / name)
+    with pytest.raises(NoLoadableCheckpointError, match="does not start fresh") as failed:
+        restore(storage, components(99))
+    assert checkpoint_dir_name(5, 0) in str(failed.value) and checkpoint_dir_name(10, 0) in str(failed.value)
