@@ -1,14 +1,23 @@
-"""MLflow metrics for a Ray Train run: one MLflow run per Ray Train run, found again after restarts."""
+"""MLflow metrics for a Ray Train run: one MLflow run per Ray Train run, found again after restarts.
+
+Telemetry never stops training: the metrics the library logs by default (``data/...`` from the
+loader, ``goodput/...`` from the checkpoint manager) go through :class:`BackgroundMetrics`, so an
+MLflow outage (its client retries for minutes, then raises) neither blocks nor raises in the loop.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
+import threading
 import time
+from collections.abc import Callable
 
-from mlflow.entities import Metric
-from mlflow.tracking import MlflowClient
+logger = logging.getLogger(__name__)
 
 RUN_TAG = "ray_resilient.run"
+MetricsLogger = Callable[[dict[str, float], int], None]
 
 
 def default_tracking_uri() -> str:
@@ -40,6 +49,8 @@ class MlflowMetrics:
 
     def __init__(self, run_name: str, tracking_uri: str | None = None, experiment: str = "ray_resilient",
                  prefix: str = ""):
+        from mlflow.tracking import MlflowClient
+
         self.client = MlflowClient(tracking_uri or default_tracking_uri())
         self.prefix = prefix
         found = self.client.get_experiment_by_name(experiment)
@@ -51,6 +62,56 @@ class MlflowMetrics:
             self.run_id = self.client.create_run(experiment_id, tags={RUN_TAG: run_name}, run_name=run_name).info.run_id
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[
             Metric(f"{self.prefix}{key}", float(value), now, step) for key, value in metrics.items()])
+
+
+class BackgroundMetrics:
+    """A metrics logger that never blocks or raises in the caller.
+
+    Calls are queued (at most ``max_queued``) and a daemon thread delivers them to the logger that
+    ``make_logger`` builds there (opening a tracking store hangs as long as the store is down). A
+    full queue drops the call (counted in ``dropped``), a failing delivery is counted in
+    ``failed``; each is warned about once.
+    """
+
+    def __init__(self, make_logger: Callable[[], MetricsLogger], name: str, max_queued: int = 100):
+        self.name = name
+        self.logger: MetricsLogger | None = None
+        self.delivered = self.dropped = self.failed = 0
+        self._make_logger = make_logger
+        self._queue: queue.Queue = queue.Queue(max_queued)
+        threading.Thread(target=self._deliver, daemon=True, name=f"ray_resilient_{name}_metrics").start()
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        try:
+            self._queue.put_nowait((dict(metrics), step))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                logger.warning("%s metrics are not being delivered fast enough (is the tracking server reachable?): "
+                               "dropping them rather than slowing training (counted in dropped)", self.name)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued call was delivered or failed; False if ``timeout`` passed first."""
+        with self._queue.all_tasks_done:
+            return self._queue.all_tasks_done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
+
+    def _deliver(self) -> None:
+        while True:
+            metrics, step = self._queue.get()
+            try:
+                if self.logger is None:
+                    self.logger = self._make_logger()
+                self.logger(metrics, step)
+                self.delivered += 1
+            except Exception as err:  # telemetry must not stop training: count, warn once, go on
+                self.failed += 1
+                if self.failed == 1:
+                    logger.warning("logging %s metrics failed (%s: %s); training goes on, later failures are "
+                                   "counted in failed", self.name, type(err).__name__, err)
+            finally:
+                self._queue.task_done()

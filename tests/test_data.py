@@ -32,6 +32,7 @@ from ray_resilient.data import (
 )
 from ray_resilient.data.dataset import read_bytes
 from ray_resilient.data.prefetch import Prefetcher
+from ray_resilient.data.s3_get import SignedGetReader
 from ray_resilient.data.volume import _s3_settings
 
 GLOBAL_BATCH = 6  # the session's image_dir volume has 69 images: an uneven count
@@ -179,6 +180,29 @@ def test_transient_s3_failures_are_retried_then_name_the_file(image_dir, s3_serv
     with pytest.raises(VolumeError, match=f"{volume.files[1].path} failed after 4 attempts"):
         volume.download(volume.files[1].path, str(tmp_path / "broken"))
     assert caplog.text.count("retrying in") == 3
+
+
+SPECIAL_KEYS = ("golden retriever/a+b (1).jpg", "café/x=y.jpg", "odd/100% & ~tilde;'quote'.jpg")
+
+
+def test_s3_gets_are_signed_as_aws_expects_and_keys_with_special_characters_download_byte_exact(s3_server, tmp_path):
+    fs = s3_server.filesystem()
+    contents = {key: os.urandom(5000 + i) for i, key in enumerate(SPECIAL_KEYS)}
+    for key, data in contents.items():
+        with fs.open_output_stream(f"{s3_server.bucket}/special/{key}") as out:
+            out.write(data)
+    reader = SignedGetReader(f"http://{s3_server.endpoint}", "us-east-1", s3_server.access_key, s3_server.secret_key)
+    for key, data in contents.items():  # SeaweedFS checks every signature (a wrong one is a 403)
+        assert reader.download(f"{s3_server.bucket}/special/{key}", str(tmp_path / "f")) == len(data)
+        assert (tmp_path / "f").read_bytes() == data, key
+    url, headers = reader.signed_get(f"{s3_server.bucket}/café/x=y.jpg")
+    assert url == f"http://{s3_server.endpoint}/{s3_server.bucket}/caf%C3%A9/x%3Dy.jpg"  # path style, encoded once
+    assert headers["X-Amz-Content-SHA256"] and "x-amz-content-sha256" in headers["Authorization"]
+    aws = SignedGetReader(None, "eu-west-1", "AKID", "SECRET")
+    url, headers = aws.signed_get("my-bucket/golden retriever/a+b (1).jpg")
+    assert url == "https://my-bucket.s3.eu-west-1.amazonaws.com/golden%20retriever/a%2Bb%20%281%29.jpg"
+    assert "X-Amz-Content-SHA256" in headers and "/eu-west-1/s3/aws4_request" in headers["Authorization"]
+    assert aws.signed_get("dotted.bucket/k")[0] == "https://s3.eu-west-1.amazonaws.com/dotted.bucket/k"
 
 
 def test_s3_credentials_from_a_shared_credentials_file_are_resolved_once(image_dir, s3_server, tmp_path,
@@ -361,6 +385,7 @@ def test_the_download_process_exits_with_its_worker(image_dir, tmp_path):
         import sys
         from ray_resilient.data import FileCache, Volume
         from ray_resilient.data.prefetch import Prefetcher
+from ray_resilient.data.s3_get import SignedGetReader
         volume = Volume({image_dir!r})
         prefetcher = Prefetcher(volume, FileCache({str(cache_dir)!r}), threads=2, max_files=8, max_bytes=1 << 30)
         prefetcher.restart(iter(range(len(volume.files))))
@@ -480,6 +505,34 @@ def test_loader_logs_fetch_seconds_and_cache_metrics_to_mlflow(image_dir, tmp_pa
     assert 0 < misses[-1].value <= loader.metrics.cache.misses
 
 
+def test_an_mlflow_outage_neither_blocks_nor_fails_the_loop(image_dir, tmp_path, monkeypatch, caplog):
+    """The tracking server is down (a closed port): its client retries for minutes, then raises."""
+    from ray_resilient.tracking import BackgroundMetrics
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    dataset = VolumeImageDataset(Volume(image_dir), str(tmp_path / "cache"), global_batch=4, seed=1)
+    loader = VolumeDataLoader(dataset, num_workers=0, log_every=1)
+    batches = sum(1 for _ in loader)  # 17 batches, each logged, while the client is stuck retrying
+    background = loader.metrics_logger
+    assert isinstance(background, BackgroundMetrics) and batches == 69 // 4
+    assert background.delivered == 0  # every call returned while the first delivery still hung
+    # Flooded past the bounded queue: dropped, counted, warned once.
+    flood = BackgroundMetrics(background._make_logger, "flood", max_queued=4)
+    for step in range(50):
+        flood({"x": 1.0}, step)
+    assert flood.dropped >= 50 - 4 - 1 and caplog.text.count("not being delivered fast enough") == 1
+    # A client that gives up at once: the failures are counted and warned about once, nothing raises.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    failing = BackgroundMetrics(background._make_logger, "failing")
+    for step in range(3):
+        failing({"x": 1.0}, step)
+    assert failing.flush(timeout=120) and failing.failed == 3 and failing.delivered == 0
+    assert caplog.text.count("logging failing metrics failed") == 1
+
+
 def test_fsspec_url_volume(image_dir, tmp_path):
     """A volume inside a zip archive, through fsspec's chained URLs (pyarrow knows neither)."""
     archive = tmp_path / "shapes.zip"
@@ -502,8 +555,10 @@ def test_loader_logs_to_mlflow_on_rank_0_by_default(image_dir, tmp_path):
     assert ranks[0].metrics_logger == "mlflow" and ranks[1].metrics_logger is None
     ranks[0].log_every = 5
     list(ranks[0])  # 11 batches: logs twice, into the session's MLflow store (MLFLOW_TRACKING_URI)
-    from ray_resilient.tracking import MlflowMetrics
+    from ray_resilient.tracking import BackgroundMetrics, MlflowMetrics
 
-    assert isinstance(ranks[0].metrics_logger, MlflowMetrics)
-    history = ranks[0].metrics_logger.client.get_metric_history(ranks[0].metrics_logger.run_id, "data/fetch_seconds")
+    background = ranks[0].metrics_logger
+    assert isinstance(background, BackgroundMetrics) and background.flush(timeout=60)
+    assert isinstance(background.logger, MlflowMetrics) and background.delivered == 2
+    history = background.logger.client.get_metric_history(background.logger.run_id, "data/fetch_seconds")
     assert [m.step for m in history][-2:] == [5, 10]

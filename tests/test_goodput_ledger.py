@@ -106,6 +106,40 @@ def test_an_attempt_killed_before_its_restore_charges_no_kept_step_as_wasted(tmp
     assert breakdown.productive == pytest.approx(72.0) and breakdown.wasted == pytest.approx(12.0)
 
 
+def test_an_upload_to_slow_storage_never_holds_up_record(tmp_path):
+    """Storage that hangs in the middle of an upload (a real filesystem: local files behind a gate)."""
+    import threading
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    entered, release = threading.Event(), threading.Event()
+
+    class HangingUploads(LocalFileSystem):
+        def _open(self, path, mode="rb", **kwargs):
+            if "w" in mode:
+                entered.set()
+                release.wait(60)
+            return super()._open(path, mode, **kwargs)
+
+    fs = pafs.PyFileSystem(pafs.FSSpecHandler(HangingUploads()))
+    ledger = LedgerWriter(fs, str(tmp_path / "runs" / "r"), 0, str(tmp_path / "spool"), upload_seconds=3600)
+    ledger.record("attempt_start", world_size=1)
+    uploading = threading.Thread(target=ledger.flush)
+    uploading.start()
+    assert entered.wait(60)
+    recorded = threading.Thread(target=lambda: [ledger.record("step", step=s, t_start=0.0) for s in range(100)])
+    recorded.start()
+    recorded.join(timeout=30)
+    stuck = recorded.is_alive()
+    release.set()
+    uploading.join()
+    recorded.join()
+    assert not stuck, "record() waited for the upload"
+    ledger.close()
+    kinds = [e["kind"] for e in read_events(pafs.LocalFileSystem(), str(tmp_path / "runs" / "r"))]
+    assert kinds == ["attempt_start"] + ["step"] * 100  # nothing lost: the next upload took the rest
+
+
 def test_measured_inputs_are_the_medians_of_the_run(local_run):
     measured = measured_inputs(local_run)
     assert measured.save_stall_s == pytest.approx(0.5)

@@ -117,6 +117,8 @@ def test_an_added_scheduler_stops_the_restore(storage):
 def test_a_truncated_shard_is_unreadable_and_the_previous_checkpoint_loads_whole(storage, tmp_path, caplog):
     write_checkpoints(storage)
     newest = tmp_path / "run" / checkpoint_dir_name(10, 0)
+    for manifest in newest.glob("checksums_rank_*.json"):  # as written before checksums: DCP's read fails
+        manifest.unlink()
     shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
     job = components(99)
@@ -126,6 +128,23 @@ def test_a_truncated_shard_is_unreadable_and_the_previous_checkpoint_loads_whole
     for key, value in expected.model.state_dict().items():
         assert torch.equal(job.model.state_dict()[key], value), key
     assert "failed to load" in caplog.text and "retrying" in caplog.text
+
+
+def test_a_flipped_byte_fails_its_checksum_before_anything_loads_and_the_previous_checkpoint_loads(
+        storage, tmp_path, caplog):
+    write_checkpoints(storage)
+    newest = tmp_path / "run" / checkpoint_dir_name(10, 0)
+    assert sorted(p.name for p in newest.glob("checksums_rank_*.json")) == ["checksums_rank_0.json"]
+    shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, inside tensor data: DCP itself would load it silently
+    shard.write_bytes(bytes(data))
+    job = components(99)
+    loaded = restore(storage, job)
+    assert loaded is not None and loaded[1].step == 5
+    for key, value in components(5).model.state_dict().items():
+        assert torch.equal(job.model.state_dict()[key], value), key
+    assert f"shard {shard.name} fails its checksum" in caplog.text and checkpoint_dir_name(10, 0) in caplog.text
 
 
 def test_when_no_complete_checkpoint_reads_the_restore_fails_instead_of_starting_fresh(storage, tmp_path):

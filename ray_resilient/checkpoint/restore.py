@@ -1,7 +1,7 @@
 """Finding and loading the newest complete checkpoint.
 
-A checkpoint that cannot be read (a truncated or missing shard, a read error that persists
-through retries) is skipped in favour of the previous complete one. A checkpoint that reads but
+A checkpoint that cannot be read (a shard that fails its checksum, is truncated or missing, a
+read error that persists through retries) is skipped in favour of the previous complete one. A checkpoint that reads but
 does not fit the job (a changed layer shape, an added or removed part, keys that differ, a data
 position for another dataset) stops the restore with :class:`IncompatibleCheckpointError`:
 falling back would hit the same mismatch, and starting fresh would let Ray's ``num_to_keep``
@@ -9,7 +9,8 @@ delete the run's real checkpoints. When complete checkpoints exist but none can 
 restore fails too (:class:`NoLoadableCheckpointError`) instead of silently starting fresh.
 
 Loading goes stage by stage, the ranks agreeing after each, so that every rank takes the same
-path: the train state and ``.metadata``; a check of the job's state against ``.metadata``; the
+path: the shard checksums (:mod:`~ray_resilient.checkpoint.integrity`, each rank a share of the
+files); the train state and ``.metadata``; a check of the job's state against ``.metadata``; the
 small parts (per-rank RNG, data position and buffers, scheduler, scaler, extras); the data
 position (which the data object may refuse); the model and optimizer. DCP reads the model and
 optimizer in place; everything else is applied only once every rank has read everything. A
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ray_resilient.checkpoint.collectives import worst_on_any_rank
+from ray_resilient.checkpoint.integrity import verify_checksums
 from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints
 from ray_resilient.checkpoint.state import (
     EXTRAS, GRAD_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE, TrainingComponents, TrainState,
@@ -142,6 +144,9 @@ def _load(
         saved.load_state_dict(box[TRAIN_STATE])
         return saved, storage.reader(path).read_metadata()
 
+    outcome, _ = _stage(group, UNREADABLE, lambda: verify_checksums(storage.filesystem, path, rank, world_size))
+    if outcome[0] != OK:
+        return outcome, None
     outcome, found = _stage(group, UNREADABLE, header)
     if outcome[0] != OK:
         return outcome, None

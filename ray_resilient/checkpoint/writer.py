@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from ray_resilient.checkpoint.collectives import all_ranks_agree
+from ray_resilient.checkpoint.integrity import record_checksums
 from ray_resilient.checkpoint.layout import delete_partial_checkpoints
 from ray_resilient.checkpoint.staging import HostStager
 from ray_resilient.checkpoint.storage import CheckpointStorage
@@ -49,17 +50,21 @@ class SaveResult:
 
 
 class _ShardWriter(FileSystemWriter):
-    """DCP's file writer, with the ``upload`` fault point between the shards and ``.metadata``."""
+    """DCP's file writer that records its shards' checksums (:mod:`~ray_resilient.checkpoint.integrity`),
+    with the ``upload`` fault point between the shards and ``.metadata``."""
 
-    def __init__(self, path: str, faults: FaultInjector, step: int, fire_upload_fault: bool, **kwargs: Any):
+    def __init__(self, path: str, rank: int, faults: FaultInjector, step: int, fire_upload_fault: bool,
+                 **kwargs: Any):
         super().__init__(path, **kwargs)
+        self._rank = rank
         self._faults = faults
         self._step = step
         self._fire_upload_fault = fire_upload_fault
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
-        written.wait()
+        files = [result.storage_data.relative_path for result in written.wait()]
+        record_checksums(str(self.path), self._rank, files, sync=self.sync_files)
         if self._fire_upload_fault:
             self._faults.fire("upload", self._step)
         return written
@@ -194,6 +199,7 @@ class AsyncCheckpointWriter:
     def _write_shards(self, staged: dict[str, Any], step: int, name: str) -> None:
         writer = _ShardWriter(
             self.storage.write_dir(name, self.rank),
+            self.rank,
             self.faults,
             step,
             fire_upload_fault=not self.storage.is_remote,

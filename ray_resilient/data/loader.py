@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from ray_resilient.data.cache import CacheStats
 from ray_resilient.data.dataset import Batch, StreamingVolumeDataset
-from ray_resilient.tracking import MlflowMetrics, current_run_name
+from ray_resilient.tracking import BackgroundMetrics, MlflowMetrics, current_run_name
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,9 @@ class VolumeDataLoader(DataLoader):
         prefetch_factor: batches each worker prepares ahead.
         metrics_logger: called with (metrics, batches so far) every ``log_every`` batches. The
             default, ``"mlflow"``, logs on rank 0 to the MLflow run of the current Ray Train
-            run (:class:`ray_resilient.tracking.MlflowMetrics`, metric names prefixed ``data/``);
-            None logs nothing.
+            run (:class:`ray_resilient.tracking.MlflowMetrics`, metric names prefixed ``data/``)
+            from a background thread, so an MLflow outage never blocks or fails the loop
+            (:class:`ray_resilient.tracking.BackgroundMetrics`); None logs nothing.
         log_every: batches between two metrics_logger calls.
     """
 
@@ -143,8 +144,9 @@ class VolumeDataLoader(DataLoader):
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
         if self.metrics_logger is not None and m.batches % self.log_every == 0:
-            if self.metrics_logger == "mlflow":  # created on first use: it opens the tracking store
-                self.metrics_logger = MlflowMetrics(current_run_name(), prefix="data/")
+            if self.metrics_logger == "mlflow":  # opened on first use, on the delivery thread
+                run_name = current_run_name()
+                self.metrics_logger = BackgroundMetrics(lambda: MlflowMetrics(run_name, prefix="data/"), "data")
             self.metrics_logger(m.as_dict(), m.batches)
 
     # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------

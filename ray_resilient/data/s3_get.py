@@ -3,8 +3,12 @@
 pyarrow's S3 client opens every object with a HEAD (for its size) before the GET. For a dataset
 of small files (a JPEG of tens of KB) that doubles the requests, the round trips and the server's
 work per sample, and the client's CPU per file (``benchmarks/data_throughput.py``). The volume
-already knows every size from its listing, so a file is one GET here: SigV4-signed by botocore,
-sent over a pool of kept-alive connections (urllib3), streamed to disk.
+already knows every size from its listing, so a file is one GET here: signed as botocore signs
+for S3 (``S3SigV4Auth``: the ``X-Amz-Content-SHA256`` header AWS requires, S3's own canonical
+path, which is encoded once and never normalized), sent over a pool of kept-alive connections
+(urllib3), streamed to disk. Against AWS the bucket is addressed virtual-hosted
+(``https://<bucket>.s3.<region>.amazonaws.com/<key>``; path style for bucket names with dots,
+which the wildcard certificate does not cover); custom endpoints get path style.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import threading
 from urllib.parse import quote
 
 import urllib3
-from botocore.auth import SigV4Auth
+from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from botocore.session import get_session
@@ -36,7 +40,7 @@ class SignedGetReader:
 
     Args:
         endpoint: an S3-compatible endpoint (``http://host:port``); path-style addressing. None:
-            AWS (``https://s3.<region>.amazonaws.com``, path-style).
+            AWS, virtual-hosted addressing.
         region: the bucket's region (signed into every request).
         access_key, secret_key, session_token: credentials; None: botocore's default chain
             (environment, config files, instance or container roles), resolved once per process;
@@ -47,7 +51,7 @@ class SignedGetReader:
     def __init__(self, endpoint: str | None, region: str, access_key: str | None = None,
                  secret_key: str | None = None, session_token: str | None = None, max_connections: int = 32):
         self.region = region
-        self.endpoint = endpoint.rstrip("/") if endpoint else f"https://s3.{region}.amazonaws.com"
+        self.endpoint = endpoint.rstrip("/") if endpoint else None
         self._static = Credentials(access_key, secret_key, session_token) if access_key and secret_key else None
         self.max_connections = max_connections
         self._pool: urllib3.PoolManager | None = None
@@ -81,17 +85,25 @@ class SignedGetReader:
                                                  timeout=urllib3.Timeout(connect=10, read=60))
             return self._pool
 
+    def signed_get(self, bucket_and_key: str) -> tuple[str, dict[str, str]]:
+        """The URL and the signed headers of the GET of ``bucket/key`` (the key unencoded)."""
+        bucket, _, key = bucket_and_key.partition("/")
+        path = quote(key, safe="/~")  # S3's UriEncode: every byte but unreserved characters and '/'
+        if self.endpoint is None and "." not in bucket:
+            url = f"https://{bucket}.s3.{self.region}.amazonaws.com/{path}"
+        else:
+            url = f"{self.endpoint or f'https://s3.{self.region}.amazonaws.com'}/{quote(bucket)}/{path}"
+        request = AWSRequest(method="GET", url=url)
+        S3SigV4Auth(self._credentials(), "s3", self.region).add_auth(request)
+        return url, dict(request.headers.items())
+
     def download(self, bucket_and_key: str, dest: str) -> int:
         """GET ``bucket/key`` into the local file ``dest``; returns the bytes written.
 
         Raises S3RequestError for an error status, urllib3's errors for connection failures.
         """
-        bucket, _, key = bucket_and_key.partition("/")
-        url = f"{self.endpoint}/{quote(bucket)}/{quote(key, safe='/~')}"
-        request = AWSRequest(method="GET", url=url)
-        SigV4Auth(self._credentials(), "s3", self.region).add_auth(request)
-        response = self._connections().request("GET", url, headers=dict(request.headers.items()),
-                                                preload_content=False)
+        url, headers = self.signed_get(bucket_and_key)
+        response = self._connections().request("GET", url, headers=headers, preload_content=False)
         try:
             if response.status != 200:
                 detail = response.read(2000).decode(errors="replace")

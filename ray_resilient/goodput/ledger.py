@@ -15,7 +15,8 @@ Writing costs the loop one buffered ``write`` per event: on local or mounted sto
 appended in place (flushed every event, so a SIGKILL loses nothing); on remote storage (S3, GCS)
 events go to a local spool file and a background thread uploads what is new every
 ``upload_seconds`` (2) as a numbered part (objects cannot be appended to), so a killed process
-loses at most that much of its log.
+loses at most that much of its log. An upload never holds up ``record``: it reads what the spool
+held when it began, without the lock ``record`` takes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class LedgerWriter:
         else:
             self._path = f"{self._directory}/{self.attempt}.jsonl"
         self._file = open(self._path, "a")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the spool file, for record()
+        self._upload_lock = threading.Lock()  # one upload at a time (the thread, flush(), close())
         self._uploaded, self._parts = 0, 0
         self._stop = threading.Event()
         self._uploader = None
@@ -86,11 +88,14 @@ class LedgerWriter:
             self._upload_new()
 
     def _upload_new(self) -> None:
-        with self._lock, open(self._path, "rb") as spool:
-            spool.seek(self._uploaded)
-            data = spool.read()
-            if not data:
+        with self._upload_lock:
+            with self._lock:
+                end = self._file.tell()  # every event recorded so far is flushed up to here
+            if end <= self._uploaded:
                 return
+            with open(self._path, "rb") as spool:
+                spool.seek(self._uploaded)
+                data = spool.read(end - self._uploaded)
             try:
                 part = f"{self._directory}/{self.attempt}.jsonl.part{self._parts:06d}"
                 with self._filesystem.open_output_stream(part) as out:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from collections.abc import Callable
 
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.goodput.accounting import PARTS, Breakdown, account
 from ray_resilient.goodput.ledger import LedgerWriter, read_events
+from ray_resilient.tracking import BackgroundMetrics, MetricsLogger
 
-MetricsLogger = Callable[[dict[str, float], int], None]
+FINAL_METRICS_WAIT_S = 10.0  # close() waits this long for the final goodput figures to reach MLflow
 
 
 class GoodputRecorder:
@@ -28,7 +28,8 @@ class GoodputRecorder:
         rank, world_size: this worker's.
         log_every: steps between two calls of ``metrics_logger`` (rank 0).
         metrics_logger: called with (goodput metrics, step); the default logs to the MLflow run
-            of the current Ray Train run; None logs nothing.
+            of the current Ray Train run from a background thread (never blocking or failing
+            the loop, :class:`~ray_resilient.tracking.BackgroundMetrics`); None logs nothing.
         window: steps of the rolling goodput.
     """
 
@@ -114,11 +115,14 @@ class GoodputRecorder:
         return metrics
 
     def _log(self, step: int) -> None:
-        if self._metrics_logger == "mlflow":  # created on first use: it opens the tracking store
+        if self._metrics_logger == "mlflow":  # opened on first use, on the delivery thread
             from ray_resilient.tracking import MlflowMetrics, current_run_name
 
-            self._metrics_logger = MlflowMetrics(current_run_name(), prefix="goodput/")
+            run_name = current_run_name()
+            self._metrics_logger = BackgroundMetrics(lambda: MlflowMetrics(run_name, prefix="goodput/"), "goodput")
         self._metrics_logger(self.metrics(), step)
 
     def close(self) -> None:
+        if isinstance(self._metrics_logger, BackgroundMetrics):
+            self._metrics_logger.flush(FINAL_METRICS_WAIT_S)
         self._writer.close()
