@@ -13,7 +13,10 @@ which the wildcard certificate does not cover); custom endpoints get path style.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterable, Iterator
+from typing import BinaryIO
 from urllib.parse import quote
 
 import urllib3
@@ -23,7 +26,7 @@ from botocore.credentials import Credentials
 from botocore.session import get_session
 
 _CHUNK = 1 << 20
-RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # timeouts, throttling (503 SlowDown), server errors
 
 
 class S3RequestError(OSError):
@@ -33,6 +36,42 @@ class S3RequestError(OSError):
         super().__init__(message)
         self.status = status
         self.retryable = status in RETRYABLE_STATUS
+
+
+class LocalWriteError(OSError):
+    """Writing the local copy failed (its ``__cause__`` says why): retrying the read cannot help."""
+
+
+@contextlib.contextmanager
+def open_local_copy(dest: str) -> Iterator[BinaryIO]:
+    """``dest`` opened for writing; an OSError opening or closing (flushing) it becomes a
+    :class:`LocalWriteError`."""
+    try:
+        out = open(dest, "wb")
+    except OSError as err:
+        raise LocalWriteError(str(err)) from err
+    try:
+        yield out
+    finally:
+        try:
+            out.close()
+        except OSError as err:
+            raise LocalWriteError(str(err)) from err
+
+
+def copy_to_local(chunks: Iterable[bytes] | BinaryIO, out: BinaryIO) -> int:
+    """Write ``chunks`` (an iterable of bytes, or a readable stream) to ``out``; returns the bytes
+    written. Read errors propagate as they are; write errors become :class:`LocalWriteError`."""
+    if hasattr(chunks, "read"):
+        stream = chunks
+        chunks = iter(lambda: stream.read(_CHUNK), b"")
+    written = 0
+    for chunk in chunks:
+        try:
+            written += out.write(chunk)
+        except OSError as err:
+            raise LocalWriteError(str(err)) from err
+    return written
 
 
 class SignedGetReader:
@@ -108,10 +147,7 @@ class SignedGetReader:
             if response.status != 200:
                 detail = response.read(2000).decode(errors="replace")
                 raise S3RequestError(f"GET {url} answered {response.status}: {detail}", response.status)
-            written = 0
-            with open(dest, "wb") as out:
-                for chunk in response.stream(_CHUNK):
-                    written += out.write(chunk)
-            return written
+            with open_local_copy(dest) as out:
+                return copy_to_local(response.stream(_CHUNK), out)
         finally:
             response.release_conn()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-import shutil
+import random
 import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -14,12 +14,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import urllib3
 
-from ray_resilient.data.s3_get import S3RequestError, SignedGetReader
+from ray_resilient.data.s3_get import LocalWriteError, S3RequestError, SignedGetReader, copy_to_local, open_local_copy
 
 logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
-_CHUNK = 1 << 20
+MAX_BACKOFF_S = 2.0  # the longest wait between two reads of a file (before jitter)
 
 
 class VolumeError(RuntimeError):
@@ -102,7 +102,9 @@ class Volume:
         extensions: keep files ending with one of these (case-insensitive); None keeps all.
         pattern: an optional glob the relative path must match (e.g. ``"train/*/*.jpg"``).
         image_folder: labels from the first directory under the root (``root/<class>/<file>``).
-        retries: attempts per read on a transient storage error, with exponential backoff.
+        retry_seconds: how long a read keeps retrying transient storage errors (connection
+            failures, throttling such as S3's 503 SlowDown, server errors), with exponential
+            backoff and jitter, before it fails naming the file.
         filesystem: use this filesystem with ``uri`` as the path on it (e.g. a configured
             ``S3FileSystem``); else it is derived from ``uri`` (see :func:`open_filesystem`).
 
@@ -117,7 +119,7 @@ class Volume:
         extensions: tuple[str, ...] | None = IMAGE_EXTENSIONS,
         pattern: str | None = None,
         image_folder: bool = True,
-        retries: int = 4,
+        retry_seconds: float = 30.0,
         filesystem: pafs.FileSystem | None = None,
         **filesystem_options: str,
     ):
@@ -129,7 +131,7 @@ class Volume:
                 self._signed_get = SignedGetReader(*_s3_settings(**filesystem_options))
         else:
             self.filesystem, self.root = filesystem, uri.rstrip("/")
-        self.retries = retries
+        self.retry_seconds = retry_seconds
         self.files, self.classes = self._list(extensions, pattern, image_folder)
 
     def _list(
@@ -185,24 +187,31 @@ class Volume:
     def download(self, path: str, dest: str) -> int:
         """Stream the file at ``path`` (relative) into the local file ``dest``; returns its size.
 
-        Transient storage errors are retried with exponential backoff, then raise VolumeError
-        naming the file; an S3 error that retrying cannot fix (e.g. 403, 404) raises at once.
+        Transient storage errors are retried for ``retry_seconds`` with exponential backoff and
+        jitter, then raise VolumeError naming the file; an error that retrying cannot fix (a missing
+        file, no permission, S3's 403 or 404) raises at once, and so does an error writing ``dest`` (a full or read-only local
+        disk is not a storage error).
         """
         full = f"{self.root}/{path}"
-        attempt = 1
+        started, attempt = time.monotonic(), 1
         while True:
             try:
                 if self._signed_get is not None:
                     return self._signed_get.download(full, dest)
-                with self.filesystem.open_input_stream(full) as src, open(dest, "wb") as dst:
-                    shutil.copyfileobj(src, dst, _CHUNK)
+                with self.filesystem.open_input_stream(full) as src, open_local_copy(dest) as dst:
+                    copy_to_local(src, dst)
                     return dst.tell()
+            except LocalWriteError as err:
+                raise VolumeError(f"writing the local copy of {self.uri}/{path} failed: {err.__cause__} "
+                                  "(the cache's disk, not the volume: free space or fix its permissions)") from err
             except (OSError, urllib3.exceptions.HTTPError) as err:
-                if isinstance(err, S3RequestError) and not err.retryable:
+                if isinstance(err, (FileNotFoundError, PermissionError)) or (
+                        isinstance(err, S3RequestError) and not err.retryable):
                     raise VolumeError(f"reading {self.uri}/{path} failed: {err}") from err
-                if attempt >= self.retries:
-                    raise VolumeError(f"reading {full} failed after {self.retries} attempts: {err}") from err
-                delay = 0.1 * 2 ** (attempt - 1)
-                logger.warning("reading %s failed (%s); retrying in %.1fs", full, err, delay)
+                elapsed = time.monotonic() - started
+                if elapsed >= self.retry_seconds:
+                    raise VolumeError(f"reading {full} failed after {attempt} attempts in {elapsed:.1f}s: {err}") from err
+                delay = min(self.retry_seconds - elapsed, random.uniform(0.5, 1.0) * min(MAX_BACKOFF_S, 0.1 * 2**attempt))
+                logger.warning("reading %s failed (%s); retrying in %.2fs", full, err, delay)
                 time.sleep(delay)
                 attempt += 1
