@@ -129,7 +129,8 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(tmp_p
     assert uninterrupted["step"] == killed["step"]
     assert uninterrupted["val_accuracy"] == killed["val_accuracy"]
     killed_state = torch.load(run_dir / "final_model.pt")["state_dict"]
-    uninterrupted_state = torch.load(tmp_path / "uninterrupted" / "runs" / "train_images" / "final_model.pt")["state_dict"]
+    uninterrupted_dir = tmp_path / "uninterrupted" / "runs" / "train_images"
+    uninterrupted_state = torch.load(uninterrupted_dir / "final_model.pt")["state_dict"]
     assert killed_state.keys() == uninterrupted_state.keys()
     assert any("running_mean" in key for key in killed_state)
     differing = [key for key in killed_state if not torch.equal(killed_state[key], uninterrupted_state[key])]

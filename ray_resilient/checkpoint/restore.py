@@ -194,7 +194,8 @@ def load_newest_loadable(
         outcome, loaded = _load(storage, ckpt.path, components, rank, world_size, group)
         if outcome[0] == OK:
             saved, state, warnings = loaded
-            outcome, applied = _stage(group, INCOMPATIBLE, lambda: components.apply_loaded(state, saved, rank, world_size))
+            outcome, applied = _stage(group, INCOMPATIBLE,
+                                      lambda: components.apply_loaded(state, saved, rank, world_size))
         if outcome[0] == INCOMPATIBLE:
             raise IncompatibleCheckpointError(
                 f"checkpoint {ckpt.path} (step {ckpt.step}) does not fit this job: {outcome[1]}. The job changed "

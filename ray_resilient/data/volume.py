@@ -188,9 +188,9 @@ class Volume:
         """Stream the file at ``path`` (relative) into the local file ``dest``; returns its size.
 
         Transient storage errors are retried for ``retry_seconds`` with exponential backoff and
-        jitter, then raise VolumeError naming the file; an error that retrying cannot fix (a missing
-        file, no permission, S3's 403 or 404) raises at once, and so does an error writing ``dest`` (a full or read-only local
-        disk is not a storage error).
+        jitter, then raise VolumeError naming the file; an error that retrying cannot fix (a
+        missing file, no permission, S3's 403 or 404) raises at once, and so does an error writing
+        ``dest`` (a full or read-only local disk is not a storage error).
         """
         full = f"{self.root}/{path}"
         started, attempt = time.monotonic(), 1
@@ -210,8 +210,10 @@ class Volume:
                     raise VolumeError(f"reading {self.uri}/{path} failed: {err}") from err
                 elapsed = time.monotonic() - started
                 if elapsed >= self.retry_seconds:
-                    raise VolumeError(f"reading {full} failed after {attempt} attempts in {elapsed:.1f}s: {err}") from err
-                delay = min(self.retry_seconds - elapsed, random.uniform(0.5, 1.0) * min(MAX_BACKOFF_S, 0.1 * 2**attempt))
+                    raise VolumeError(
+                        f"reading {full} failed after {attempt} attempts in {elapsed:.1f}s: {err}") from err
+                backoff = random.uniform(0.5, 1.0) * min(MAX_BACKOFF_S, 0.1 * 2**attempt)
+                delay = min(self.retry_seconds - elapsed, backoff)
                 logger.warning("reading %s failed (%s); retrying in %.2fs", full, err, delay)
                 time.sleep(delay)
                 attempt += 1
