@@ -8,6 +8,7 @@ import os
 import pyarrow.fs as pafs
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, list_checkpoints
 from ray_resilient.checkpoint.restore import (
@@ -145,6 +146,17 @@ def test_a_flipped_byte_fails_its_checksum_before_anything_loads_and_the_previou
     for key, value in components(5).model.state_dict().items():
         assert torch.equal(job.model.state_dict()[key], value), key
     assert f"shard {shard.name} fails its checksum" in caplog.text and checkpoint_dir_name(10, 0) in caplog.text
+
+
+def test_a_checkpoint_written_before_per_rank_buffers_restores_with_the_model_entrys(storage, tmp_path):
+    old = components(5)
+    state = old.state_to_save(TrainState(step=5), rank=0)
+    del state["rank_state"]["rank_0"]["buffers"]  # the layout before per-rank buffers
+    dcp.save(state, checkpoint_id=str(tmp_path / "run" / checkpoint_dir_name(5, 0)))
+    job = components(99)
+    assert restore(storage, job)[1].step == 5
+    for key, value in old.model.state_dict().items():
+        assert torch.equal(job.model.state_dict()[key], value), key
 
 
 def test_when_no_complete_checkpoint_reads_the_restore_fails_instead_of_starting_fresh(storage, tmp_path):

@@ -35,7 +35,8 @@ from ray_resilient.checkpoint.collectives import worst_on_any_rank
 from ray_resilient.checkpoint.integrity import verify_checksums
 from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints
 from ray_resilient.checkpoint.state import (
-    EXTRAS, GRAD_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE, TrainingComponents, TrainState,
+    BUFFERS, EXTRAS, GRAD_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, RANK_STATE, TRAIN_STATE, TrainingComponents,
+    TrainState, rank_key,
 )
 from ray_resilient.checkpoint.storage import CheckpointStorage
 
@@ -152,6 +153,10 @@ def _load(
         return outcome, None
     saved, metadata = found
     state = components.state_to_load(saved, rank, world_size)
+    own = state.get(RANK_STATE, {}).get(rank_key(rank), {})
+    buffers = f"{RANK_STATE}.{rank_key(rank)}.{BUFFERS}."
+    if BUFFERS in own and not any(key.startswith(buffers) for key in metadata.state_dict_metadata):
+        del own[BUFFERS]  # written before per-rank buffers were saved: the model entry's are applied
 
     def check() -> None:
         problems = incompatibilities(metadata, state)

@@ -274,7 +274,7 @@ class TrainingComponents:
             own = state[RANK_STATE][rank_key(rank)]
             live = model_buffers(self.model)
             with torch.no_grad():
-                for key, value in own[BUFFERS].items():
+                for key, value in own.get(BUFFERS, {}).items():
                     live[key].copy_(value)
             restore_rng_state(own[RNG])
             return []
