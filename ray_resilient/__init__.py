@@ -7,7 +7,10 @@ from ray_resilient.checkpoint import (
     IncompatibleCheckpointError,
     NoLoadableCheckpointError,
     ReshardableStateful,
+    RunLeaseHeldError,
+    RunLeaseLostError,
     TrainState,
+    UnrecoverableRunError,
     list_checkpoints,
 )
 from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults, random_kill_plan
@@ -22,7 +25,10 @@ __all__ = [
     "InjectedFault",
     "NoLoadableCheckpointError",
     "ReshardableStateful",
+    "RunLeaseHeldError",
+    "RunLeaseLostError",
     "TrainState",
+    "UnrecoverableRunError",
     "list_checkpoints",
     "parse_faults",
     "random_kill_plan",

@@ -19,10 +19,11 @@ Each choice, and why:
   considers it every ``resize_check_s`` (default 5 minutes); a failure restart also grows.
 - ``CheckpointConfig(num_to_keep=3)``: the newest checkpoint plus fallbacks in case it turns out
   unreadable; older ones are deleted as new ones are registered.
-- ``RunConfig(callbacks=[StopOnIncompatibleCheckpoint()])``: a checkpoint that does not fit the
-  job (it changed: a layer's shape, the dataset) fails every restart the same way, so the run
-  ends at the first :class:`~ray_resilient.IncompatibleCheckpointError` instead of spending
-  ``max_failures`` on it; :meth:`ResilientRayConfig.fit` raises that error.
+- ``RunConfig(callbacks=[StopOnUnrecoverableError()])``: a checkpoint that does not fit the
+  job (it changed: a layer's shape, the dataset), or a run directory another driver holds, fails
+  every restart the same way, so the run ends at the first such error
+  (:class:`~ray_resilient.UnrecoverableRunError`) instead of spending ``max_failures`` on it;
+  :meth:`ResilientRayConfig.fit` raises that error.
 - Environment for Ray Train's controller and workers (exported by :meth:`trainer_kwargs`; Ray
   passes it from the driver to them; a value already set in the environment wins):
 
@@ -60,7 +61,7 @@ from ray.train import (
 )
 
 from ray_resilient.checkpoint.layout import list_checkpoints
-from ray_resilient.checkpoint.restore import IncompatibleCheckpointError
+from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.goodput.ledger import LedgerWriter, run_storage
 from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES, worker_env
 
@@ -70,13 +71,13 @@ RECOMMENDED_ENV = {
 }
 
 
-class StopOnIncompatibleCheckpoint(UserCallback):
-    """Ends the run (no restart) when a worker raised :class:`~ray_resilient.IncompatibleCheckpointError`."""
+class StopOnUnrecoverableError(UserCallback):
+    """Ends the run (no restart) when a worker raised an :class:`~ray_resilient.UnrecoverableRunError`."""
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         for error in worker_exceptions.values():
-            if isinstance(error, IncompatibleCheckpointError):
-                raise IncompatibleCheckpointError(str(error))
+            if isinstance(error, UnrecoverableRunError):
+                raise type(error)(str(error))
 
 
 class RunFailedError(RuntimeError):
@@ -106,8 +107,9 @@ class ResilientRayConfig:
 
         When Ray gives up on the run, raises :class:`RunFailedError`, which names the exhausted
         ``max_failures``, the last error, and the newest complete checkpoint, which a driver
-        started again with the same name and storage path resumes from; when the run's
-        checkpoints do not fit the job, raises :class:`~ray_resilient.IncompatibleCheckpointError`.
+        started again with the same name and storage path resumes from; when a restart cannot
+        help, raises that :class:`~ray_resilient.UnrecoverableRunError` (checkpoints that do not
+        fit the job, a run directory another driver holds).
         """
         run = self.run_config
         filesystem, run_dir = self._run_storage()
@@ -117,8 +119,9 @@ class ResilientRayConfig:
         try:
             return trainer.fit()
         except TrainingFailedError as err:
-            if isinstance(getattr(err, "controller_failure", None), IncompatibleCheckpointError):
-                raise IncompatibleCheckpointError(str(err.controller_failure)) from err
+            failure = getattr(err, "controller_failure", None)
+            if isinstance(failure, UnrecoverableRunError):
+                raise type(failure)(str(failure)) from err
             complete = [c for c in list_checkpoints(filesystem, run_dir) if c.complete]
             kept = (f"the newest complete checkpoint is {complete[-1].path} (step {complete[-1].step})" if complete
                     else "no checkpoint was completed")
@@ -183,7 +186,7 @@ def recommended_ray_config(
         storage_filesystem=storage_filesystem,
         failure_config=FailureConfig(max_failures=max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
-        callbacks=[StopOnIncompatibleCheckpoint()],
+        callbacks=[StopOnUnrecoverableError()],
         worker_runtime_env={"env_vars": worker_env(preload, scaling.num_cpus_per_worker)} if spare_workers else None,
     )
     return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})})

@@ -182,6 +182,35 @@ def test_a_driver_started_again_with_the_same_name_resumes_the_run(reference, tm
     assert trainlib.kept_global_batches(str(record)) == trainlib.kept_global_batches(str(reference["record"]))
 
 
+def test_a_second_driver_of_the_same_run_is_refused_at_once_and_the_first_run_loses_nothing(tmp_path, tmp_path_factory):
+    """Two drivers with one run name and storage path: the second stops at its first restore with
+    an error naming the first run (which holds the run directory's lease); the first trains on
+    untouched, every global batch once, its final checkpoint complete."""
+    storage, first_record, second_record = tmp_path / "storage", tmp_path / "first", tmp_path / "second"
+    job = {"samples": 1920, "epochs": 1, "step_seconds": 1.0}  # 60 steps of 1 s: outlives the second's start
+    with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
+        cluster.add_node(cpus=4)
+        first = _driver(cluster, first_record, storage, "shared", 2, trainlib.job_config(first_record, **job), tmp_path)
+        wait_until(lambda: first.poll() is None and _steps_recorded(first_record, 0) >= 6, timeout=300,
+                   what="the first driver's run to train 6 steps")
+        second = _driver(cluster, second_record, storage, "shared", 2, trainlib.job_config(second_record, **job),
+                         tmp_path)
+        second_output, _ = second.communicate(timeout=300)
+        assert first.poll() is None, "the first run ended before the second was refused: lengthen it"
+        first_output, _ = first.communicate(timeout=600)
+    assert second.returncode != 0
+    assert "RunLeaseHeldError" in second_output and "another driver runs this run name" in second_output
+    assert trainlib.read_attempts(str(second_record)) == []  # refused before it trained or wrote anything
+    assert first.returncode == 0, first_output[-5000:]
+    assert [a["restored_step"] for a in trainlib.read_attempts(str(first_record))] == [0]
+    kept = trainlib.kept_global_batches(str(first_record))
+    assert [kept[step] for step in sorted(kept)] == planned_global_batches(1920, trainlib.JOB["global_batch"],
+                                                                           trainlib.JOB["seed"], 1)
+    final = first_output.split("FINAL ", 1)[1].split()[0]
+    complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "shared")) if c.complete]
+    assert complete[-1].path == final and complete[-1].step == 60
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -77,6 +77,18 @@ def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, t
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
+def test_a_train_function_that_never_restores_is_stopped_before_it_saves(tmp_path):
+    """Without restore() the attempt number is unknown, so a restarted attempt would save over the
+    checkpoints of the one before: the first step refuses, naming the missing call."""
+    from ray.train import TrainingFailedError
+
+    storage = tmp_path / "storage"
+    with pytest.raises(TrainingFailedError) as failure:
+        trainlib.run_job(trainlib.no_restore_fn, {}, str(storage), "unrestored", max_failures=0)
+    assert "call CheckpointManager.restore() before the first step" in str(failure.value)
+    assert list_checkpoints(pafs.LocalFileSystem(), str(storage / "unrestored")) == []
+
+
 def test_three_failed_saves_in_a_row_fail_the_attempt_and_the_restart_trains_on(reference, tmp_path, capfd):
     record = tmp_path / "rec"
     plan = ";".join(f"fail_write:upload={step}:rank=1" for step in (5, 10, 15))

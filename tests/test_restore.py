@@ -4,6 +4,8 @@ stops the restore at once, and neither leaves the job running on half-applied st
 from __future__ import annotations
 
 import os
+import pathlib
+import pickle
 
 import pyarrow.fs as pafs
 import pytest
@@ -146,6 +148,42 @@ def test_a_flipped_byte_fails_its_checksum_before_anything_loads_and_the_previou
     for key, value in components(5).model.state_dict().items():
         assert torch.equal(job.model.state_dict()[key], value), key
     assert f"shard {shard.name} fails its checksum" in caplog.text and checkpoint_dir_name(10, 0) in caplog.text
+
+
+class RunsCode:
+    """A value whose unpickling runs code: it creates the file ``marker``."""
+
+    def __init__(self, marker) -> None:
+        self.marker = pathlib.Path(marker)
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.marker,)
+
+
+def test_a_value_that_would_run_code_when_loaded_is_refused_and_the_previous_checkpoint_loads(
+        storage, tmp_path, caplog):
+    write_checkpoints(storage, steps=(5,))
+    newest = components(10)
+    state = newest.state_to_save(TrainState(step=10), rank=0)
+    state["rank_state"]["rank_0"]["data"]["position"] = RunsCode(tmp_path / "pwned")
+    dcp.save(state, checkpoint_id=str(tmp_path / "run" / checkpoint_dir_name(10, 0)))
+    job = components(99)
+    assert restore(storage, job)[1].step == 5
+    assert not (tmp_path / "pwned").exists()
+    assert "Weights only load failed" in caplog.text and checkpoint_dir_name(10, 0) in caplog.text
+
+
+def test_a_metadata_file_that_would_run_code_when_loaded_is_refused_and_the_previous_checkpoint_loads(
+        storage, tmp_path, caplog):
+    write_checkpoints(storage)
+    metadata_path = tmp_path / "run" / checkpoint_dir_name(10, 0) / ".metadata"
+    metadata = pickle.loads(metadata_path.read_bytes())
+    metadata.storage_meta = RunsCode(tmp_path / "pwned")
+    metadata_path.write_bytes(pickle.dumps(metadata))
+    job = components(99)
+    assert restore(storage, job)[1].step == 5
+    assert not (tmp_path / "pwned").exists()
+    assert ".metadata refers to pathlib.Path.touch" in caplog.text
 
 
 def test_a_checkpoint_written_before_per_rank_buffers_restores_with_the_model_entrys(storage, tmp_path):

@@ -274,6 +274,14 @@ def run_job(
 EMULATED_STEP_SECONDS = 0.02
 
 
+def no_restore_fn(config: dict[str, Any]) -> None:
+    """A train function that forgets ``restore()`` and saves at every step."""
+    model = prepare_model(build_model(0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with CheckpointManager(model, optimizer, interval_steps=1) as ckpt:
+        ckpt.step_completed(0)
+
+
 def preemption_fn(config: dict[str, Any]) -> None:
     """Train (with emulated compute time) until a just-in-time checkpoint was taken, then a few
     more steps. Rank 0 writes its node id and step to ``progress`` so the test can drain the node."""

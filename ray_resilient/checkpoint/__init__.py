@@ -1,6 +1,8 @@
 """Sharded asynchronous DCP checkpoints reported through Ray Train, with automatic resume."""
 
+from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.layout import CheckpointDir, is_complete, list_checkpoints
+from ray_resilient.checkpoint.lease import RunLeaseHeldError, RunLeaseLostError
 from ray_resilient.checkpoint.manager import CheckpointManager, CheckpointSaveError
 from ray_resilient.checkpoint.restore import IncompatibleCheckpointError, NoLoadableCheckpointError
 from ray_resilient.checkpoint.state import ReshardableStateful, TrainState
@@ -14,7 +16,10 @@ __all__ = [
     "IncompatibleCheckpointError",
     "NoLoadableCheckpointError",
     "ReshardableStateful",
+    "RunLeaseHeldError",
+    "RunLeaseLostError",
     "TrainState",
+    "UnrecoverableRunError",
     "is_complete",
     "list_checkpoints",
 ]

@@ -31,8 +31,10 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ray_resilient.checkpoint.collectives import broadcast_from_rank0, smallest_on_any_rank
+from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
-from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.lease import RunLease, RunLeaseHeldError, ray_train_run_id
+from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints, load_newest_loadable
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
@@ -154,8 +156,10 @@ class CheckpointManager:
         self.train_state = TrainState(world_size=self.world_size, seed=seed)
         self.goodput = GoodputRecorder(self.storage, self.rank, self.world_size, log_every=goodput_log_every,
                                        metrics_logger=goodput_logger)
+        # Rank 0 holds the run directory's lease (one writer per run) from restore() to close().
+        self._lease = RunLease(self.storage.filesystem, self.storage.experiment_path, ray_train_run_id())
         self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
-                                             write_threads=write_threads)
+                                             write_threads=write_threads, before_commit=self._lease.check)
         # The training thread's own collectives (which saves finished, the auto interval): the
         # writer's group is busy on its thread, and the training group may be NCCL.
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
@@ -175,6 +179,7 @@ class CheckpointManager:
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
         self.last_save: SaveResult | None = None  # the newest save every rank made durable
         self._spares_requested = False
+        self._restored_once = False
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -187,6 +192,10 @@ class CheckpointManager:
             # worker group is about to restart from the newest complete checkpoint anyway.
             self.goodput.failure(exc)
             self._writer.abandon()
+            if isinstance(exc, UnrecoverableRunError):  # the run ends here: free its directory now
+                self._lease.release()
+            else:  # a restart of this run takes the lease back; if none comes, it expires
+                self._lease.stop()
             self.goodput.close()
 
     # --- restore ---------------------------------------------------------------------------
@@ -199,20 +208,28 @@ class CheckpointManager:
         warning in favour of the previous complete one. Raises ``IncompatibleCheckpointError``
         when the newest readable checkpoint does not fit the job, and ``NoLoadableCheckpointError``
         when none can be read (see :mod:`ray_resilient.checkpoint.restore`): the run never starts
-        fresh over complete checkpoints.
+        fresh over complete checkpoints. Before anything, rank 0 takes the run directory's lease
+        (:mod:`ray_resilient.checkpoint.lease`); ``RunLeaseHeldError`` when another driver's run holds it.
         """
         started, wall_started = time.monotonic(), time.time()
         group = self._writer.group
         registered = ray.train.get_checkpoint()
         registered_path = registered.path if registered is not None else None
-        if ray.train.get_context().get_local_rank() == 0:
-            self.storage.clear_local_staging()
-        plan = None
+        plan: RestorePlan | RunLeaseHeldError | None = None
         if self.rank == 0:
-            plan = find_complete_checkpoints(self.storage, registered_path)
-            delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
+            try:
+                self._lease.acquire()
+                plan = find_complete_checkpoints(self.storage, registered_path)
+                delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
+            except RunLeaseHeldError as err:
+                plan = err
         plan = broadcast_from_rank0(group, plan)
+        if isinstance(plan, RunLeaseHeldError):
+            raise plan
+        if ray.train.get_context().get_local_rank() == 0:  # only once this run holds the directory
+            self.storage.clear_local_staging()
         self._attempt = plan.next_attempt
+        self._restored_once = True
         for partial in plan.partial:
             logger.warning("Skipping partial checkpoint %s (no .metadata: its save never finished)", partial.path)
         loaded = load_newest_loadable(
@@ -246,6 +263,10 @@ class CheckpointManager:
 
     def step_completed(self, epoch: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Count one finished training step; checkpoint when the interval or a preemption says so."""
+        if not self._restored_once:
+            raise RuntimeError("call CheckpointManager.restore() before the first step: it takes the run's lease "
+                               "and numbers this attempt's checkpoints, so that no earlier checkpoint is overwritten")
+        self._lease.check()
         ended = time.time()
         state = self.train_state
         state.step += 1
@@ -297,6 +318,7 @@ class CheckpointManager:
         """Wait for the saves in flight (registering them), then release the writer's resources."""
         self._collect_saves(wait=True)
         self._writer.close()
+        self._lease.release()
         if self._control is not None:
             dist.destroy_process_group(self._control)
             self._control = None

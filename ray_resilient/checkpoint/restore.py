@@ -32,8 +32,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ray_resilient.checkpoint.collectives import worst_on_any_rank
+from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.integrity import verify_checksums
 from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints
+from ray_resilient.checkpoint.safe_loading import WeightsOnlyLoadPlanner
 from ray_resilient.checkpoint.state import (
     BUFFERS, EXTRAS, GRAD_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, RANK_STATE, TRAIN_STATE, TrainingComponents,
     TrainState, rank_key,
@@ -48,7 +50,7 @@ SHARED_PARTS = (MODEL, OPTIMIZER, LR_SCHEDULER, GRAD_SCALER, EXTRAS)  # must mat
 OK, UNREADABLE, INCOMPATIBLE = 0, 1, 2  # outcomes of a load stage, by severity
 
 
-class IncompatibleCheckpointError(RuntimeError):
+class IncompatibleCheckpointError(UnrecoverableRunError):
     """A complete checkpoint of the run does not fit the job: the job changed since it was written."""
 
 
@@ -107,7 +109,7 @@ def _read(storage: CheckpointStorage, path: str, state: dict[str, Any], group: d
     """``dcp.load`` into ``state``, retried with backoff (DCP fails on every rank together)."""
     for attempt in range(READ_ATTEMPTS):
         try:
-            dcp.load(state, storage_reader=storage.reader(path), process_group=group)
+            dcp.load(state, storage_reader=storage.reader(path), planner=WeightsOnlyLoadPlanner(), process_group=group)
             return
         except BaseException as err:  # DCP's CheckpointException derives from BaseException.
             if isinstance(err, (KeyboardInterrupt, SystemExit)) or attempt + 1 == READ_ATTEMPTS:
@@ -139,11 +141,12 @@ def _load(
     (train state, the loaded state to apply, warnings)."""
 
     def header() -> tuple[TrainState, Metadata]:
+        metadata = storage.reader(path).read_metadata()  # first: its refusal names what it refers to
         box = {TRAIN_STATE: TrainState().state_dict()}
         _read(storage, path, box, group)
         saved = TrainState()
         saved.load_state_dict(box[TRAIN_STATE])
-        return saved, storage.reader(path).read_metadata()
+        return saved, metadata
 
     outcome, _ = _stage(group, UNREADABLE, lambda: verify_checksums(storage.filesystem, path, rank, world_size))
     if outcome[0] != OK:

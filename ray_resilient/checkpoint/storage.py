@@ -17,11 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ray_resilient.checkpoint.layout import METADATA_FILE
+from ray_resilient.checkpoint.lease import ray_train_run_id
+from ray_resilient.checkpoint.safe_loading import read_metadata
 
 MAX_PARALLEL_UPLOADS = 8  # a rank's shard files (one per write thread) upload at once
 
@@ -46,8 +50,9 @@ class CheckpointStorage:
         import ray.train
 
         storage = ray.train.get_context().get_storage()
-        run_name = Path(storage.experiment_fs_path).name
-        default_local = os.path.join(tempfile.gettempdir(), "ray-resilient", run_name)
+        # Per Ray Train run, not per run name: runs of the same name (another storage path, or
+        # another driver) on this node never share, or clear, each other's staged files.
+        default_local = os.path.join(tempfile.gettempdir(), "ray-resilient", ray_train_run_id())
         return cls(storage.storage_filesystem, storage.experiment_fs_path, local_dir or default_local)
 
     @property
@@ -132,9 +137,18 @@ class _ArrowFileSystem(FileSystemBase):
 
 
 class ArrowDCPReader(FileSystemReader):
-    """A DCP ``StorageReader`` for a checkpoint directory on any pyarrow filesystem."""
+    """A DCP ``StorageReader`` for a checkpoint directory on any pyarrow filesystem, reading
+    ``.metadata`` without running code from it (:mod:`~ray_resilient.checkpoint.safe_loading`)."""
 
     def __init__(self, fs: pafs.FileSystem, path: str):
         super().__init__(path)
         self.fs = _ArrowFileSystem(fs)
         self.path = path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
+            metadata = read_metadata(stream)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

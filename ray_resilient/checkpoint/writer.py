@@ -21,7 +21,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -51,15 +51,21 @@ class SaveResult:
 
 class _ShardWriter(FileSystemWriter):
     """DCP's file writer that records its shards' checksums (:mod:`~ray_resilient.checkpoint.integrity`),
-    with the ``upload`` fault point between the shards and ``.metadata``."""
+    with the ``upload`` fault point between the shards and ``.metadata``, and ``before_commit``
+    called before the coordinator writes ``.metadata``."""
 
     def __init__(self, path: str, rank: int, faults: FaultInjector, step: int, fire_upload_fault: bool,
-                 **kwargs: Any):
+                 before_commit: Callable[[], None], **kwargs: Any):
         super().__init__(path, **kwargs)
         self._rank = rank
         self._faults = faults
         self._step = step
         self._fire_upload_fault = fire_upload_fault
+        self._before_commit = before_commit
+
+    def finish(self, metadata, results):
+        self._before_commit()
+        return super().finish(metadata, results)
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
@@ -81,16 +87,19 @@ class AsyncCheckpointWriter:
             or written at once.
         write_threads: files each rank writes in parallel (DCP's ``thread_count``; 4 wrote 1.5x
             faster than 1 on a 2-core VM, ``benchmarks/gpu_checkpoint.py``).
+        before_commit: called on rank 0 before it commits a checkpoint (writes ``.metadata``);
+            what it raises fails the save (the run's lease check).
     """
 
     def __init__(self, storage: CheckpointStorage, rank: int, faults: FaultInjector, *,
-                 staging_buffers: int = 2, write_threads: int = 4):
+                 staging_buffers: int = 2, write_threads: int = 4, before_commit: Callable[[], None] = lambda: None):
         if staging_buffers < 1 or write_threads < 1:
             raise ValueError(f"staging_buffers and write_threads must be >= 1, got {staging_buffers}, {write_threads}")
         self.storage = storage
         self.rank = rank
         self.faults = faults
         self.write_threads = write_threads
+        self.before_commit = before_commit
         distributed = dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
         self._stagers = [HostStager() for _ in range(staging_buffers)]  # pinned when the state is on CUDA
@@ -184,7 +193,7 @@ class AsyncCheckpointWriter:
         if ok and self.storage.is_remote:
             ok = self._agree(attempt("uploading shards", lambda: self._upload_shards(step, name)))
             if ok:
-                ok = self._agree(self.rank != 0 or attempt("uploading .metadata", lambda: self.storage.upload_metadata(name, 0)))
+                ok = self._agree(self.rank != 0 or attempt("uploading .metadata", lambda: self._commit_remote(name)))
         if self.storage.is_remote:
             shutil.rmtree(self.storage.write_dir(name, self.rank), ignore_errors=True)
         durable_seconds = time.monotonic() - started
@@ -203,6 +212,8 @@ class AsyncCheckpointWriter:
             self.faults,
             step,
             fire_upload_fault=not self.storage.is_remote,
+            # A remote checkpoint is committed by the upload of .metadata, not by DCP's write of it.
+            before_commit=(lambda: None) if self.storage.is_remote else self.before_commit,
             # Local staging for an upload needs no fsync; a final local checkpoint does.
             sync_files=not self.storage.is_remote,
             thread_count=self.write_threads,
@@ -212,3 +223,7 @@ class AsyncCheckpointWriter:
     def _upload_shards(self, step: int, name: str) -> None:
         self.storage.upload_shards(name, self.rank)
         self.faults.fire("upload", step)
+
+    def _commit_remote(self, name: str) -> None:
+        self.before_commit()
+        self.storage.upload_metadata(name, 0)

@@ -1,0 +1,75 @@
+"""Loading a checkpoint without running code from it.
+
+DCP stores ``.metadata`` and every non-tensor value (RNG states, the data position, scheduler
+and scaler states, extras) as pickles, and its reader unpickles them with ``pickle.load`` and
+``torch.load(weights_only=False)``: whoever can write a checkpoint directory could run code in
+every worker that restores it. Here ``.metadata`` is unpickled with only DCP's metadata classes,
+``torch.Size``, dtypes, layouts and paths allowed, and every other value with
+``torch.load(weights_only=True)`` (plus numpy's array reconstruction, for numpy's RNG state). A
+checkpoint that needs anything else is refused as unreadable, naming the class.
+
+User extras holding their own classes must allow them with
+``torch.serialization.add_safe_globals``; a plain ``dict`` of numbers, strings and tensors needs
+nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+# numpy's RNG state holds a uint32 array: what ``torch.load`` needs to rebuild one.
+NUMPY_ARRAY_GLOBALS = [np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+_PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file refers to code that loading it would run."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            return getattr(dcp_metadata, name)
+        if (module, name) in {(dcp_filesystem.__name__, "_StorageInfo"), ("torch", "Size"),
+                              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == pathlib.__name__ and name in _PATHS:
+            return getattr(pathlib, name)
+        raise UnsafeCheckpointError(
+            f".metadata refers to {module}.{name}, which is not part of DCP's metadata: refusing to load it "
+            "(a checkpoint's files are never allowed to run code)"
+        )
+
+
+def read_metadata(stream: BinaryIO) -> Metadata:
+    """Unpickle a DCP ``.metadata`` file, allowing DCP's metadata classes only."""
+    metadata = _MetadataUnpickler(stream).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f".metadata holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, loading non-tensor values with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
+            loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

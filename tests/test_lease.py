@@ -1,0 +1,85 @@
+"""The run directory's lease: one writer per run, on local storage and on S3 (SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow.fs as pafs
+import pytest
+
+from conftest import wait_until
+from ray_resilient.checkpoint.lease import LEASE_FILE, RunLease, RunLeaseHeldError, RunLeaseLostError
+
+FAST = {"ttl_s": 2.0, "renew_every_s": 0.2}
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_dir(request, tmp_path):
+    """(filesystem, run directory) on a local disk or on a real S3 server."""
+    if request.param == "local":
+        return pafs.LocalFileSystem(), str(tmp_path / "run")
+    server = request.getfixturevalue("s3_server")
+    return server.filesystem(), f"{server.bucket}/{tmp_path.name}/run"
+
+
+def test_a_live_run_keeps_the_lease_and_a_second_run_is_refused_naming_it(run_dir):
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    first = RunLease(filesystem, path, "run-a", **FAST)
+    first.acquire()
+    try:
+        with pytest.raises(RunLeaseHeldError) as refused:
+            RunLease(filesystem, path, "run-b", **FAST).acquire()
+        assert "Ray Train run run-a" in str(refused.value) and "another run name" in str(refused.value)
+        assert first.read().run_id == "run-a"
+        first.check()  # still the holder
+    finally:
+        first.release()
+    assert first.read() is None  # released at the end of the run
+
+
+def test_a_restarted_attempt_of_the_same_run_takes_its_lease_back_at_once(run_dir):
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    killed = RunLease(filesystem, path, "run-a", ttl_s=3600, renew_every_s=0.2)
+    killed.acquire()
+    killed.stop()  # the attempt was killed: its lease runs for an hour more
+    before = killed.read()
+    restarted = RunLease(filesystem, path, "run-a", ttl_s=3600, renew_every_s=0.2)
+    restarted.acquire()  # without waiting for the expiry (the test would time out)
+    try:
+        assert restarted.read().renewed > before.renewed
+    finally:
+        restarted.release()
+
+
+def test_a_lease_its_driver_stopped_renewing_is_taken_over_once_expired(run_dir):
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    dead = RunLease(filesystem, path, "run-a", **FAST)
+    dead.acquire()
+    dead.stop()  # its driver died: no more renewals
+    expires = dead.read().expires
+    successor = RunLease(filesystem, path, "run-b", **FAST)
+    successor.acquire()
+    try:
+        assert time.time() >= expires  # not taken while still valid
+        assert successor.read().run_id == "run-b"
+    finally:
+        successor.release()
+
+
+def test_a_holder_whose_lease_was_taken_over_stops_and_commits_nothing(run_dir):
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    holder = RunLease(filesystem, path, "run-a", **FAST)
+    holder.acquire()
+    # Another run wrote the lease at the same moment (storage has no compare-and-swap).
+    with filesystem.open_output_stream(f"{path}/{LEASE_FILE}") as out:
+        out.write(json.dumps({"run_id": "run-b", "holder": "host x pid 1", "renewed": 0.0, "expires": 1e12}).encode())
+    wait_until(lambda: holder.lost_to is not None, timeout=30, what="the holder's renewal to notice")
+    with pytest.raises(RunLeaseLostError, match="run-b"):
+        holder.check()
+    holder.release()
+    assert holder.read().run_id == "run-b"  # never deletes another run's lease
