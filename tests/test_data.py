@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
+import multiprocessing
 import os
 import signal
 import socket
@@ -11,7 +13,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zipfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -184,13 +188,15 @@ def test_transient_s3_failures_are_retried_then_name_the_file(image_dir, s3_serv
 
 class ThrottlingProxy:
     """An HTTP proxy to ``upstream`` that forwards every request as it came (the signed Host header
-    included), except while throttling: then it answers 503 SlowDown, as S3 does."""
+    included), except while throttling: then it answers 503 SlowDown, as S3 does. It counts the
+    GETs of each path, and forwards each one ``latency`` seconds late (a far-away store)."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, latency: float = 0.0):
         import http.client
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.throttled, self.throttling = 0, threading.Event()
+        self.gets: collections.Counter[str] = collections.Counter()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -212,6 +218,9 @@ class ThrottlingProxy:
                     self._answer(503, [], b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
                                           b"</Message></Error>")
                     return
+                if self.command == "GET":
+                    proxy.gets[self.path.split("?", 1)[0]] += 1
+                    time.sleep(latency)
                 length = int(self.headers.get("Content-Length") or 0)
                 connection = http.client.HTTPConnection(upstream)
                 connection.request(self.command, self.path, body=self.rfile.read(length) if length else None,
@@ -251,6 +260,30 @@ def test_s3_throttling_is_retried_until_it_ends_and_a_full_local_disk_is_named_a
         assert "retrying" not in caplog.text
     finally:
         proxy.close()
+
+
+def _fetch_into_cache(volume: Volume, cache_dir: str, files: list[tuple[str, int]]) -> list[str]:
+    cache = FileCache(cache_dir)
+    return [cache.fetch(path, size, lambda dest, path=path: volume.download(path, dest)) for path, size in files]
+
+
+def test_processes_missing_the_same_files_download_each_once_per_node(image_dir, s3_server, tmp_path):
+    """4 processes miss the same 5 files of a far-away S3 (0.3 s per GET) at once, each with its own
+    cache object on the node's cache directory: every file is fetched once, all get it byte-exact."""
+    proxy = ThrottlingProxy(s3_server.endpoint, latency=0.3)
+    try:
+        volume = _s3_volume(image_dir, s3_server, "once", f"http://127.0.0.1:{proxy.port}")
+        files = [(f.path, f.size) for f in volume.files[:5]]
+        proxy.gets.clear()  # the listing's GETs
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(4, mp_context=spawn) as pool:
+            results = list(pool.map(_fetch_into_cache, *zip(*[(volume, str(tmp_path / "cache"), files)] * 4)))
+    finally:
+        proxy.close()
+    assert len(proxy.gets) == 5 and set(proxy.gets.values()) == {1}, proxy.gets
+    for paths in results:
+        for (key, _), path in zip(files, paths):
+            assert Path(path).read_bytes() == (Path(image_dir) / key).read_bytes()
 
 
 SPECIAL_KEYS = ("golden retriever/a+b (1).jpg", "café/x=y.jpg", "odd/100% & ~tilde;'quote'.jpg")
@@ -404,6 +437,38 @@ def test_cache_never_exceeds_its_limit(image_dir, tmp_path):
             peak = max(peak, cached_bytes(cache_dir))
     assert 0 < peak <= limit
     assert loader.metrics.cache.misses > len(volume.files)  # evicted files were downloaded again
+
+
+KIB = 1024
+
+
+def _insert_files(cache_dir: str, keys: list[str], limit: int) -> int:
+    """Insert 1 KiB files under ``keys`` into a limited cache; returns how often it walked the cache."""
+    cache = FileCache(cache_dir, limit_bytes=limit)
+
+    def write(dest: str) -> int:
+        with open(dest, "wb") as out:
+            out.write(os.urandom(KIB))
+        return KIB
+
+    for key in keys:
+        cache.fetch(key, KIB, write)
+    return cache.stats.eviction_walks
+
+
+def test_a_full_cache_walks_once_per_headroom_of_misses_and_its_shared_counter_stays_true(tmp_path):
+    """Two processes insert 1,000 files of 1 KiB, interleaved, into one 100 KiB cache: the limit
+    holds, the node's byte counter matches the disk, and the cache is walked about once per 10 KiB
+    (its 10% headroom) of misses instead of at every miss once full (900 walks)."""
+    cache_dir = tmp_path / "cache"
+    keys = [f"d{i % 7}/f{i:04d}.bin" for i in range(1000)]
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+        walks = sum(pool.map(_insert_files, [str(cache_dir)] * 2, [keys[0::2], keys[1::2]], [100 * KIB] * 2))
+    on_disk = sum(f.stat().st_size for f in cache_dir.rglob("*.bin"))
+    assert 90 * KIB <= on_disk <= 100 * KIB
+    assert int((cache_dir / ".bytes").read_text()) == on_disk
+    assert 0 < walks <= 900 // 10 + 2, walks
 
 
 def test_restarted_job_reuses_the_cache(image_dir, tmp_path):

@@ -8,6 +8,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from ray_resilient.goodput import LedgerWriter, account, measured_inputs, read_events
+from ray_resilient.goodput.ledger import FAN_IN
 from ray_resilient.goodput.report import render_report
 
 
@@ -167,6 +168,30 @@ def test_remote_ledger_uploads_parts_and_reads_back_the_same(s3_server, tmp_path
     breakdown = account(read_events(fs, run_dir))
     for part, seconds in HAND_COMPUTED.items():
         assert getattr(breakdown, part) == pytest.approx(seconds), part
+
+
+def test_a_days_uploads_are_compacted_so_a_restore_reads_few_objects_and_every_event_once(tmp_path):
+    """43,200 uploads (a day at one every 2 s) through a filesystem the ledger treats as remote: the
+    process keeps a few dozen objects instead of 43,200, and reading them gives every event once, in
+    order, also after a crash between a merge and its deletes left merged pieces behind."""
+    fs = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())  # remote to the ledger
+    writer = LedgerWriter(fs, "run", rank=0, local_dir=str(tmp_path / "spool"), upload_seconds=3600)
+    uploads = 43_200
+    for step in range(uploads):
+        writer.record("step", t=float(step), step=step, t_start=step - 0.5, data_wait=0.0)
+        writer.flush()
+    writer.close()
+    objects = [i for i in fs.get_file_info(pafs.FileSelector("run/goodput")) if i.type == pafs.FileType.File]
+    assert len(objects) <= FAN_IN * 4, len(objects)  # 43,200 < FAN_IN ** 4: at most FAN_IN per size class
+    assert [e["step"] for e in read_events(fs, "run")] == list(range(uploads))
+    widest = max(objects, key=lambda i: i.size)
+    with fs.open_input_stream(widest.path) as stream:
+        first_line = stream.read().decode().splitlines(keepends=True)[0]
+    start = int(widest.base_name.rsplit(".", 1)[1].split("-")[0])
+    leftover = f"{widest.path.rsplit('-', 1)[0].rsplit('.', 1)[0]}.{start:012d}-{start + len(first_line):012d}"
+    with fs.open_output_stream(leftover) as out:  # a piece the merge covered, its delete never done
+        out.write(first_line.encode())
+    assert [e["step"] for e in read_events(fs, "run")] == list(range(uploads))
 
 
 def test_report_prints_the_breakdown_and_draws_the_timeline(local_run, tmp_path):

@@ -6,8 +6,16 @@
 - ``limit_bytes`` bounds the cache. Eviction removes least recently used files, never a
   *pinned* one: a worker holds a shared ``flock`` on a file's lock while the file is in its
   prefetch window, and the evictor only removes files whose lock it can take exclusively.
+  The node's processes keep the cached bytes in a counter file (``.bytes``), updated under the
+  node-wide insert lock, so an insert costs O(1); only when the limit would be exceeded does the
+  inserter walk the cache, and then it evicts down to ``1 - evict_headroom`` of the limit, so
+  the walk is paid once per ``evict_headroom`` of the limit's worth of misses (amortized O(1)
+  per miss, where walking at every miss cost 163 ms at 20k files). The walk also resets the
+  counter to what is really there.
   A cache without a limit never evicts, so it neither pins nor tracks recency (two syscalls
   fewer per sample); processes sharing a directory should pass the same limit.
+- A key is downloaded once per node: a per-key ``flock`` lets one process download it while the
+  others that miss it wait and take the file (two workers, or one worker across an epoch boundary).
 - A job restarted on the same node finds its files still there.
 """
 
@@ -19,7 +27,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ray_resilient.data.volume import VolumeError
@@ -28,17 +37,20 @@ logger = logging.getLogger(__name__)
 
 _LOCKS = ".locks"
 _EVICT_LOCK = ".evict.lock"
+_BYTES = ".bytes"  # the cached bytes, kept by every inserter on the node
 _TMP_RE = re.compile(r"\.tmp-(\d+)-\d+$")
 
 
 @dataclass
 class CacheStats:
-    """What this process's cache did: hits, misses, bytes downloaded and time spent downloading."""
+    """What this process's cache did: hits, misses, bytes downloaded, time spent downloading, evictions."""
 
     hits: int = 0
     misses: int = 0
     bytes_downloaded: int = 0
     download_seconds: float = 0.0
+    eviction_walks: int = 0  # walks of the whole cache to evict (the costly part of a miss)
+    evicted_files: int = 0
 
     @property
     def download_bytes_per_second(self) -> float:
@@ -52,11 +64,17 @@ class FileCache:
         directory: the cache directory on local disk (created if missing; must be writable).
         limit_bytes: bound on the cached bytes (None: unbounded). Must exceed the bytes the
             prefetch windows of the workers on the node pin at once.
+        evict_headroom: the share of ``limit_bytes`` an eviction frees beyond what the new file
+            needs, so that the next misses insert without walking the cache (0: walk at every
+            miss once full).
     """
 
-    def __init__(self, directory: str, limit_bytes: int | None = None):
+    def __init__(self, directory: str, limit_bytes: int | None = None, evict_headroom: float = 0.1):
+        if not 0 <= evict_headroom < 1:
+            raise ValueError(f"evict_headroom must be in [0, 1), got {evict_headroom}")
         self.directory = os.path.abspath(directory)
         self.limit_bytes = limit_bytes
+        self.evict_headroom = evict_headroom
         self.stats = CacheStats()
         self._counter = itertools.count()
         try:
@@ -102,10 +120,29 @@ class FileCache:
         return None
 
     def fetch(self, key: str, size: int, download: Callable[[str], int]) -> str:
-        """The local path of ``key``, downloading it with ``download(temporary_path)`` on a miss."""
+        """The local path of ``key``, downloading it with ``download(temporary_path)`` on a miss.
+
+        One download of a key at a time on the node: a process (or thread) that misses while
+        another downloads the same key waits for it and takes its file."""
         cached = self.lookup(key, size)
         if cached is not None:
             return cached
+        with self._download_lock(key):
+            cached = self.lookup(key, size)  # downloaded by another process while this one waited
+            if cached is not None:
+                return cached
+            return self._download(key, size, download)
+
+    @contextmanager
+    def _download_lock(self, key: str) -> Iterator[None]:
+        fd = os.open(self._lock_path(key) + ".download", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _download(self, key: str, size: int, download: Callable[[str], int]) -> str:
         final = self.path(key)
         os.makedirs(os.path.dirname(final), exist_ok=True)
         temporary = f"{final}.tmp-{os.getpid()}-{next(self._counter)}"
@@ -130,21 +167,44 @@ class FileCache:
             return
         with open(os.path.join(self.directory, _EVICT_LOCK), "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)  # one inserter/evictor at a time on the node
-            self._evict_to(self.limit_bytes - size)
+            cached = self._read_cached_bytes()
+            replaced = os.path.getsize(final) if os.path.exists(final) else 0  # a stale copy of another size
+            if cached is None or cached - replaced + size > self.limit_bytes:
+                target = int(self.limit_bytes * (1 - self.evict_headroom))
+                cached = self._evict_to(min(target, self.limit_bytes - size))
+                replaced = os.path.getsize(final) if os.path.exists(final) else 0
             os.replace(temporary, final)
+            self._write_cached_bytes(cached - replaced + size)
 
-    def _evict_to(self, target: int) -> None:
-        """Remove least recently used, unpinned files until at most ``target`` bytes remain."""
+    def _read_cached_bytes(self) -> int | None:
+        try:
+            with open(os.path.join(self.directory, _BYTES)) as counter:
+                return int(counter.read())
+        except (FileNotFoundError, ValueError):  # a new cache directory, or a torn write: walk
+            return None
+
+    def _write_cached_bytes(self, total: int) -> None:
+        path = os.path.join(self.directory, _BYTES)
+        with open(f"{path}.{os.getpid()}", "w") as counter:
+            counter.write(str(total))
+        os.replace(f"{path}.{os.getpid()}", path)
+
+    def _evict_to(self, target: int) -> int:
+        """Remove least recently used, unpinned files until at most ``target`` bytes remain;
+        returns the bytes that remain."""
+        self.stats.eviction_walks += 1
         files = self._cached_files()
         total = sum(size for _, size, _ in files)
         for key, size, _ in sorted(files, key=lambda f: f[2]):
             if total <= target:
-                return
+                return total
             if self._remove_unless_pinned(key):
                 total -= size
+                self.stats.evicted_files += 1
         if total > target:
             logger.warning("cache %s cannot stay within %d bytes: %d bytes are pinned by prefetch windows",
                            self.directory, self.limit_bytes, total)
+        return total
 
     def _remove_unless_pinned(self, key: str) -> bool:
         fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)

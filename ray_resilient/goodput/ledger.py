@@ -14,9 +14,17 @@ loop's stall: ``step``, ``t_start``), ``durable`` and ``registered`` (a checkpoi
 Writing costs the loop one buffered ``write`` per event: on local or mounted storage the file is
 appended in place (flushed every event, so a SIGKILL loses nothing); on remote storage (S3, GCS)
 events go to a local spool file and a background thread uploads what is new every
-``upload_seconds`` (2) as a numbered part (objects cannot be appended to), so a killed process
-loses at most that much of its log. An upload never holds up ``record``: it reads what the spool
-held when it began, without the lock ``record`` takes.
+``upload_seconds`` (2) as an object named by the spool's byte range (objects cannot be appended
+to), so a killed process loses at most that much of its log. An upload never holds up ``record``:
+it reads what the spool held when it began, without the lock ``record`` takes.
+
+A long run must not make recovery slower (every restore reads the ledger): uploads are compacted
+like a counter in base :data:`FAN_IN`. When the newest ``FAN_IN`` objects of a process cover ranges
+of the same size class, one object covering their union is uploaded and they are deleted, so a
+process keeps at most ``FAN_IN`` objects per size class: about 60 for a day of uploads every 2 s
+instead of 43,000. A reader takes, per process, the objects that cover its spool without overlap
+(an object whose range lies inside another's, left by a crash between a merge and its deletes, is
+not read), and reads them in parallel.
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from statistics import median
 from typing import Any
 
@@ -37,6 +47,9 @@ from ray_resilient.goodput.planner import MeasuredInputs
 logger = logging.getLogger(__name__)
 
 LEDGER_DIR = "goodput"
+FAN_IN = 16  # a process's newest objects of one size class merged into one of the next
+READ_THREADS = 16
+_RANGE_RE = re.compile(r"^(?P<process>.+\.jsonl)\.(?P<start>\d{12})-(?P<end>\d{12})$")
 
 
 def ledger_path(experiment_path: str) -> str:
@@ -61,7 +74,8 @@ class LedgerWriter:
         self._file = open(self._path, "a")
         self._lock = threading.Lock()  # the spool file, for record()
         self._upload_lock = threading.Lock()  # one upload at a time (the thread, flush(), close())
-        self._uploaded, self._parts = 0, 0
+        self._uploaded = 0
+        self._objects: list[tuple[int, int, int]] = []  # uploaded (start, end, size class), oldest first
         self._stop = threading.Event()
         self._uploader = None
         if self._remote:
@@ -93,18 +107,37 @@ class LedgerWriter:
                 end = self._file.tell()  # every event recorded so far is flushed up to here
             if end <= self._uploaded:
                 return
-            with open(self._path, "rb") as spool:
-                spool.seek(self._uploaded)
-                data = spool.read(end - self._uploaded)
             try:
-                part = f"{self._directory}/{self.attempt}.jsonl.part{self._parts:06d}"
-                with self._filesystem.open_output_stream(part) as out:
-                    out.write(data)
+                self._put(self._uploaded, end, 0)
+                self._uploaded = end
+                self._compact()
             except OSError as err:  # retried with the next upload; the ledger must not stop training
                 logger.warning("goodput ledger upload failed (%s); retrying later", err)
-                return
-            self._uploaded += len(data)
-            self._parts += 1
+
+    def _object_path(self, start: int, end: int) -> str:
+        return f"{self._directory}/{self.attempt}.jsonl.{start:012d}-{end:012d}"
+
+    def _put(self, start: int, end: int, size_class: int) -> None:
+        """Upload the spool's bytes [start, end) as one object."""
+        with open(self._path, "rb") as spool:
+            spool.seek(start)
+            data = spool.read(end - start)
+        with self._filesystem.open_output_stream(self._object_path(start, end)) as out:
+            out.write(data)
+        self._objects.append((start, end, size_class))
+
+    def _compact(self) -> None:
+        """While the newest FAN_IN objects share a size class, replace them by one of the next."""
+        while len(self._objects) >= FAN_IN and len({c for _, _, c in self._objects[-FAN_IN:]}) == 1:
+            merged = self._objects[-FAN_IN:]
+            del self._objects[-FAN_IN:]
+            try:
+                self._put(merged[0][0], merged[-1][1], merged[0][2] + 1)
+            except OSError:
+                self._objects += merged  # kept as they are; merged at a later upload
+                raise
+            for start, end, _ in merged:  # a crash before these deletes leaves ranges the reader skips
+                self._filesystem.delete_file(self._object_path(start, end))
 
     def close(self) -> None:
         if self._uploader is not None:
@@ -117,19 +150,41 @@ class LedgerWriter:
 def read_events(filesystem: pafs.FileSystem, experiment_path: str) -> list[dict[str, Any]]:
     """Every event of the run's ledger, in time order (empty if it has none)."""
     selector = pafs.FileSelector(ledger_path(experiment_path), allow_not_found=True)
-    infos = sorted((i for i in filesystem.get_file_info(selector) if i.type == pafs.FileType.File),
-                   key=lambda i: i.path)
+    paths = _covering([i.path for i in filesystem.get_file_info(selector) if i.type == pafs.FileType.File])
+
+    def read(path: str) -> str:
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read().decode()
+
     events = []
-    for info in infos:
-        with filesystem.open_input_stream(info.path) as stream:
-            text = stream.read().decode()
-        for line in text.splitlines():
-            if line.strip():
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:  # the last line of a process killed mid-write
-                    logger.warning("skipping a torn line in %s", info.path)
+    with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+        for path, text in zip(paths, pool.map(read, paths)):
+            for line in text.splitlines():
+                if line.strip():
+                    try:
+                        events.append(json.loads(line))
+                    except json.JSONDecodeError:  # the last line of a process killed mid-write
+                        logger.warning("skipping a torn line in %s", path)
     return sorted(events, key=lambda e: e["t"])
+
+
+def _covering(paths: list[str]) -> list[str]:
+    """The ledger files to read: each process's uploaded ranges without overlap, and every other file."""
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
+    chosen = []
+    for path in paths:
+        match = _RANGE_RE.match(path.rsplit("/", 1)[-1])
+        if match is None:
+            chosen.append(path)  # a file appended in place (local storage)
+        else:
+            ranges.setdefault(match["process"], []).append((int(match["start"]), -int(match["end"]), path))
+    for objects in ranges.values():
+        covered = 0
+        for start, negative_end, path in sorted(objects):  # widest first among equal starts
+            if start >= covered:
+                chosen.append(path)
+                covered = -negative_end
+    return sorted(chosen)
 
 
 def run_storage(run_dir: str) -> tuple[pafs.FileSystem, str]:
