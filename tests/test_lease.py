@@ -12,6 +12,7 @@ from conftest import wait_until
 from ray_resilient.checkpoint.lease import LEASE_FILE, RunLease, RunLeaseHeldError, RunLeaseLostError
 
 FAST = {"ttl_s": 2.0, "renew_every_s": 0.2}
+LIVE = {"ttl_s": 20.0, "renew_every_s": 0.5}  # renewals far within the expiry, even on a loaded machine
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -26,11 +27,11 @@ def run_dir(request, tmp_path):
 def test_a_live_run_keeps_the_lease_and_a_second_run_is_refused_naming_it(run_dir):
     filesystem, path = run_dir
     filesystem.create_dir(path)
-    first = RunLease(filesystem, path, "run-a", **FAST)
+    first = RunLease(filesystem, path, "run-a", **LIVE)
     first.acquire()
     try:
         with pytest.raises(RunLeaseHeldError) as refused:
-            RunLease(filesystem, path, "run-b", **FAST).acquire()
+            RunLease(filesystem, path, "run-b", **LIVE).acquire()
         assert "Ray Train run run-a" in str(refused.value) and "another run name" in str(refused.value)
         assert first.read().run_id == "run-a"
         first.check()  # still the holder
@@ -75,10 +76,13 @@ def test_a_holder_whose_lease_was_taken_over_stops_and_commits_nothing(run_dir):
     filesystem.create_dir(path)
     holder = RunLease(filesystem, path, "run-a", **FAST)
     holder.acquire()
-    # Another run wrote the lease at the same moment (storage has no compare-and-swap).
-    with filesystem.open_output_stream(f"{path}/{LEASE_FILE}") as out:
-        out.write(json.dumps({"run_id": "run-b", "holder": "host x pid 1", "renewed": 0.0, "expires": 1e12}).encode())
-    wait_until(lambda: holder.lost_to is not None, timeout=30, what="the holder's renewal to notice")
+    def other_run_writes() -> bool:  # another run took the lease at the same moment (no compare-and-swap)
+        with filesystem.open_output_stream(f"{path}/{LEASE_FILE}") as out:
+            out.write(json.dumps({"run_id": "run-b", "holder": "host x pid 1", "renewed": 0.0,
+                                  "expires": 1e12}).encode())
+        return holder.lost_to is not None
+
+    wait_until(other_run_writes, timeout=30, what="the holder's renewal to notice")
     with pytest.raises(RunLeaseLostError, match="run-b"):
         holder.check()
     holder.release()
