@@ -89,27 +89,35 @@ class RunLease:
         :class:`RunLeaseHeldError`) or expires (it is taken over); at most ``ttl_s``.
         """
         found = self.read()
-        if found is not None and found.run_id != self.run_id and found.expires > time.time():
-            logger.warning("The run directory is leased by %s; waiting up to %.0fs to see whether it is renewed",
-                           found.describe(), found.expires - time.time())
-            deadline = min(found.expires, time.time() + self.ttl_s)
-            while time.time() < deadline:
-                self._stop.wait(min(self.renew_every_s / 4, max(deadline - time.time(), 0.0)))
-                current = self.read()
-                if current is None or current.run_id == self.run_id:
-                    break
-                if current != found:
-                    raise RunLeaseHeldError(
-                        f"the run directory {self.path.rsplit('/', 1)[0]} is in use by {current.describe()}: "
-                        "another driver runs this run name on this storage path. Stop that driver first, or start "
-                        "this job under another run name. (A lease its driver stops renewing is taken over after "
-                        f"{self.ttl_s:.0f}s.)"
-                    )
-            logger.warning("Taking over the lease of %s: not renewed for %.0fs, its driver is gone",
-                           found.describe(), time.time() - found.renewed)
+        if found is not None and found.run_id != self.run_id:
+            if found.expires > time.time():
+                logger.warning("The run directory is leased by %s; waiting up to %.0fs to see whether it is renewed",
+                               found.describe(), found.expires - time.time())
+                found = self._watch(found)
+            if found is not None:
+                logger.warning("Taking over the lease of %s: not renewed for %.0fs, its driver is gone",
+                               found.describe(), time.time() - found.renewed)
         self._write()
         self._thread = threading.Thread(target=self._renew, name="ray_resilient_lease", daemon=True)
         self._thread.start()
+
+    def _watch(self, found: LeaseRecord) -> LeaseRecord | None:
+        """Watch another run's lease until it expires (returned, to be taken over) or is released
+        (None); raise :class:`RunLeaseHeldError` as soon as it is renewed."""
+        deadline = min(found.expires, time.time() + self.ttl_s)
+        while time.time() < deadline:
+            self._stop.wait(min(self.renew_every_s / 4, max(deadline - time.time(), 0.0)))
+            current = self.read()
+            if current is None or current.run_id == self.run_id:
+                return None
+            if current != found:
+                raise RunLeaseHeldError(
+                    f"the run directory {self.path.rsplit('/', 1)[0]} is in use by {current.describe()}: "
+                    "another driver runs this run name on this storage path. Stop that driver first, or start "
+                    "this job under another run name. (A lease its driver stops renewing is taken over after "
+                    f"{self.ttl_s:.0f}s.)"
+                )
+        return found
 
     def check(self) -> None:
         """Raise :class:`RunLeaseLostError` if another run took the lease over."""
