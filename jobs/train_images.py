@@ -37,7 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from ray_resilient import CheckpointManager, recommended_ray_config
 from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform, eval_transform
 from ray_resilient.goodput import parse_duration
-from ray_resilient.tracking import MlflowMetrics, current_run_name, default_tracking_uri
+from ray_resilient.tracking import BackgroundMetrics, MlflowMetrics, current_run_name, default_tracking_uri
 
 MODEL_FILE = "final_model.pt"
 
@@ -108,7 +108,9 @@ def train_fn(config: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9, weight_decay=5e-4)
     total_steps = config["epochs"] * dataset.batches_per_epoch(0)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config["lr"], total_steps=total_steps)
-    metrics_log = MlflowMetrics(current_run_name()) if rank == 0 else None
+    # From a background thread: an MLflow outage never blocks or fails the loop (ray_resilient.tracking).
+    run_name = current_run_name()
+    metrics_log = BackgroundMetrics(lambda: MlflowMetrics(run_name), "job") if rank == 0 else None
     metrics: dict[str, float] = {}
     with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
                            interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
@@ -148,6 +150,8 @@ def train_fn(config: dict[str, Any]) -> None:
                     metrics_log({"val_accuracy": metrics["val_accuracy"]}, ckpt.train_state.step)
                     print(f"epoch {epoch} done: val accuracy {metrics['val_accuracy']:.3f}", flush=True)
         ckpt.finish(metrics)
+    if metrics_log is not None:
+        metrics_log.flush(timeout=10)
     # The whole model on rank 0 (FSDP2 gathers its shards: every rank calls this).
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
