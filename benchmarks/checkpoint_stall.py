@@ -272,6 +272,7 @@ class Resilient(Saver):
         super().__init__(job)
         self.ckpt = CheckpointManager(job.model, job.optimizer, interval_steps=job.steps_between,
                                       write_threads=job.write_threads)
+        self.ckpt.restore()  # a fresh run: finds nothing; takes the run's lease
         job.clock.wrap(self.ckpt, "_register", "report previous to Ray")
         job.clock.wrap(self.ckpt.components, "state_to_save", "build state dict")
         job.clock.wrap(self.ckpt._writer, "save", "staging copy")

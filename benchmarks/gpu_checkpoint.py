@@ -167,6 +167,7 @@ def measure_fn(config: dict[str, Any]) -> None:
     step_seconds = config["step_seconds"]
     with CheckpointManager(job.model, job.optimizer, interval_steps=between, goodput_logger=None,
                            write_threads=config["write_threads"]) as ckpt:
+        ckpt.restore()  # a fresh run: finds nothing; takes the run's lease
         # The given interval first; if a save took longer than it to become durable, again at
         # 1.5 times the time to durable (steady state); then at half of it.
         probe = resilient_phase(job, ckpt, saves + 1, between)

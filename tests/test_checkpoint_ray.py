@@ -154,7 +154,7 @@ def test_plain_torch_loads_the_model_from_a_checkpoint_directory(reference):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "loaded 4 tensors" in out.stdout
+    assert f"loaded {len(trainlib.build_model(0).state_dict())} tensors" in out.stdout  # BatchNorm buffers too
 
 
 def _load_snapshots(record, phase: str, ranks: int) -> list[dict]:

@@ -224,6 +224,7 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
     counter = Counter()
     with CheckpointManager(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                            extras={"counter": counter}, interval_steps=3, seed=config["seed"]) as ckpt:
+        ckpt.restore()  # saving: finds nothing, starts fresh
         if saving:
             for _ in range(config["steps"]):
                 x, y = torch.randn(8, FEATURES), torch.randint(0, CLASSES, (8,))
@@ -236,8 +237,6 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
                 counter.value += 1 + counter.value % 3
                 ckpt.step_completed(0)
             ckpt.finish()
-        else:
-            ckpt.restore()
         torch.save(snapshot(model, optimizer, scheduler, scaler, counter),
                    os.path.join(config["record_dir"], f"snapshot-{config['phase']}-rank{rank}.pt"))
 
