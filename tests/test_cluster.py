@@ -384,7 +384,9 @@ def test_the_job_recovered_from_the_killed_worker(local_cluster_run):
     assert "Injecting fault kill-step-12-rank1" in log
     attempts = {int(n) for n in re.findall(r"\[attempt (\d+)\]", log)}
     assert len(attempts) >= 2, f"one attempt only: {sorted(attempts)}"
-    assert re.search(r"Resuming at step (5|10)\b", log), "the second attempt did not resume from a checkpoint"
+    restore_lines = [line for line in log.splitlines() if re.search(r"Resuming|Restored|restore|lease|\[attempt", line)]
+    assert re.search(r"Resuming at step (5|10)\b", log), ("the second attempt did not resume from a checkpoint",
+                                                         restore_lines[-20:])
 
 
 @pytest.mark.slow
