@@ -17,6 +17,14 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 RUN_TAG = "ray_resilient.run"
+_FIND_OR_CREATE: dict[tuple[str, str, str], threading.Lock] = {}
+_FIND_OR_CREATE_GUARD = threading.Lock()
+
+
+def _find_or_create_lock(tracking_uri: str, experiment: str, run_name: str) -> threading.Lock:
+    """One lock per MLflow run and process (a store that is down holds up only its own loggers)."""
+    with _FIND_OR_CREATE_GUARD:
+        return _FIND_OR_CREATE.setdefault((tracking_uri, experiment, run_name), threading.Lock())
 MetricsLogger = Callable[[dict[str, float], int], None]
 
 
@@ -51,15 +59,20 @@ class MlflowMetrics:
                  prefix: str = ""):
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri or default_tracking_uri())
+        uri = tracking_uri or default_tracking_uri()
+        self.client = MlflowClient(uri)
         self.prefix = prefix
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        runs = self.client.search_runs([experiment_id], f"tags.`{RUN_TAG}` = '{run_name}'", max_results=1)
-        if runs:
-            self.run_id = runs[0].info.run_id
-        else:
-            self.run_id = self.client.create_run(experiment_id, tags={RUN_TAG: run_name}, run_name=run_name).info.run_id
+        # The loggers of one process (the job's, the loader's, the goodput recorder's) start on
+        # their own threads, possibly at once: one of them finds or creates the run at a time.
+        with _find_or_create_lock(uri, experiment, run_name):
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            runs = self.client.search_runs([experiment_id], f"tags.`{RUN_TAG}` = '{run_name}'", max_results=1)
+            if runs:
+                self.run_id = runs[0].info.run_id
+            else:
+                self.run_id = self.client.create_run(experiment_id, tags={RUN_TAG: run_name},
+                                                     run_name=run_name).info.run_id
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

@@ -15,7 +15,7 @@ import textwrap
 import threading
 import time
 import zipfile
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -660,12 +660,37 @@ def test_an_mlflow_outage_neither_blocks_nor_fails_the_loop(image_dir, tmp_path,
         flood({"x": 1.0}, step)
     assert flood.dropped >= 50 - 4 - 1 and caplog.text.count("not being delivered fast enough") == 1
     # A client that gives up at once: the failures are counted and warned about once, nothing raises.
+    # (Another MLflow run: the loader's logger is still retrying its run's find-or-create.)
+    from ray_resilient.tracking import MlflowMetrics
+
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    failing = BackgroundMetrics(background._make_logger, "failing")
+    failing = BackgroundMetrics(lambda: MlflowMetrics("failing"), "failing")
     for step in range(3):
         failing({"x": 1.0}, step)
     assert failing.flush(timeout=120) and failing.failed == 3 and failing.delivered == 0
     assert caplog.text.count("logging failing metrics failed") == 1
+
+
+def test_loggers_of_one_run_that_start_at_once_share_one_mlflow_run(tmp_path):
+    """The job's, the loader's and the goodput recorder's loggers each find-or-create the run's MLflow
+    run from their own thread, at the same moment: one run, and it is the one each logs to."""
+    from ray_resilient.tracking import RUN_TAG, MlflowMetrics
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    MlflowMetrics("another-run", uri)  # creates the store and the experiment: only the run is raced for
+    start = threading.Barrier(4)
+
+    def logger(_) -> MlflowMetrics:
+        start.wait()
+        return MlflowMetrics("at-once", uri)
+
+    with ThreadPoolExecutor(4) as pool:
+        loggers = list(pool.map(logger, range(4)))
+    client = loggers[0].client
+    experiment = client.get_experiment_by_name("ray_resilient").experiment_id
+    runs = client.search_runs([experiment], f"tags.`{RUN_TAG}` = 'at-once'")
+    assert [run.info.run_id for run in runs] == [loggers[0].run_id]
+    assert {one.run_id for one in loggers} == {loggers[0].run_id}
 
 
 def test_fsspec_url_volume(image_dir, tmp_path):
