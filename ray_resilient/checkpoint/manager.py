@@ -165,7 +165,7 @@ class CheckpointManager:
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
-        self._attempt = 0
+        self._attempt: int | None = None  # this attempt's number, known once restore() ran
         self._in_flight: deque[tuple[dict[str, Any], float]] = deque()  # per save in flight: metrics, wall start
         self._deferred = False  # a due save is waiting for a free set of staging buffers
         self._last_metrics: dict[str, Any] = {}  # the last step's, reported with the final checkpoint
@@ -179,7 +179,6 @@ class CheckpointManager:
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
         self.last_save: SaveResult | None = None  # the newest save every rank made durable
         self._spares_requested = False
-        self._restored_once = False
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -229,7 +228,6 @@ class CheckpointManager:
         if ray.train.get_context().get_local_rank() == 0:  # only once this run holds the directory
             self.storage.clear_local_staging()
         self._attempt = plan.next_attempt
-        self._restored_once = True
         for partial in plan.partial:
             logger.warning("Skipping partial checkpoint %s (no .metadata: its save never finished)", partial.path)
         loaded = load_newest_loadable(
@@ -263,7 +261,7 @@ class CheckpointManager:
 
     def step_completed(self, epoch: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Count one finished training step; checkpoint when the interval or a preemption says so."""
-        if not self._restored_once:
+        if self._attempt is None:
             raise RuntimeError("call CheckpointManager.restore() before the first step: it takes the run's lease "
                                "and numbers this attempt's checkpoints, so that no earlier checkpoint is overwritten")
         self._lease.check()

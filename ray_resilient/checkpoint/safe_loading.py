@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 # numpy's RNG state holds a uint32 array: what ``torch.load`` needs to rebuild one.
 NUMPY_ARRAY_GLOBALS = [np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 _PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
+_ALLOWED = {(dcp_filesystem.__name__, "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("collections", "OrderedDict")}
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -42,8 +44,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
             return getattr(dcp_metadata, name)
-        if (module, name) in {(dcp_filesystem.__name__, "_StorageInfo"), ("torch", "Size"),
-                              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}:
+        if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)

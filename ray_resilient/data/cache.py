@@ -168,11 +168,10 @@ class FileCache:
         with open(os.path.join(self.directory, _EVICT_LOCK), "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)  # one inserter/evictor at a time on the node
             cached = self._read_cached_bytes()
-            replaced = os.path.getsize(final) if os.path.exists(final) else 0  # a stale copy of another size
-            if cached is None or cached - replaced + size > self.limit_bytes:
+            if cached is None or cached - _size_on_disk(final) + size > self.limit_bytes:
                 target = int(self.limit_bytes * (1 - self.evict_headroom))
                 cached = self._evict_to(min(target, self.limit_bytes - size))
-                replaced = os.path.getsize(final) if os.path.exists(final) else 0
+            replaced = _size_on_disk(final)  # a stale copy of another size, unless just evicted
             os.replace(temporary, final)
             self._write_cached_bytes(cached - replaced + size)
 
@@ -246,6 +245,13 @@ class FileCache:
                 if match and not _process_alive(int(match.group(1))):
                     os.remove(os.path.join(dirpath, name))
                     logger.info("removed %s, left by a download that never finished", name)
+
+
+def _size_on_disk(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
 
 
 def _process_alive(pid: int) -> bool:
