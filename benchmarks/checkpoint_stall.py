@@ -32,16 +32,16 @@ closer saves make SYNC and NO_UPLOAD reports wait for it)
     dcp.save           synchronous ``torch.distributed.checkpoint.save`` of ``get_state_dict``
                        (model+optimizer) into a directory under the run storage (each rank writes
                        its half, fsynced), then registered with ``ray.train.report`` (NO_UPLOAD).
-    ray_resilient      ``CheckpointManager.step_completed`` on the checkpoint step: registers the
+    ray_resilient      ``Checkpointer.step_completed`` on the checkpoint step: registers the
                        saves that finished with Ray, builds the state dict and stages it into a
                        free set of reused buffers; the write (sharded DCP, fsynced) runs on a
                        background thread.
 
 Timing
     A stall is ``time.monotonic()`` around exactly the call the training loop blocks on, on rank 0;
-    for ray_resilient that is ``step_completed()`` (the manager's own ``last_stall_seconds``, over
+    for ray_resilient that is ``step_completed()`` (the checkpointer's own ``last_stall_seconds``, over
     the same calls, is printed alongside). Phases inside a stall are timed the same way (for
-    ray_resilient by wrapping the manager's internal calls on its instances). The table shows
+    ray_resilient by the checkpointer itself: ``SaveResult.stall_phases``). The table shows
     medians over the saves of each method; the first save of a method includes one-time costs
     (allocating staging buffers). Between methods every rank stops and rank 0 runs ``os.sync()``,
     so one method's dirty page cache is not written back during the next one.
@@ -70,7 +70,6 @@ for a quick try).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -91,8 +90,8 @@ from ray.train import Checkpoint, CheckpointConfig, CheckpointUploadMode, RunCon
 from ray.train.torch import TorchTrainer, prepare_model
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ray_resilient import CheckpointManager
-from ray_resilient.checkpoint.writer import SaveResult
+from ray_resilient import Checkpointer
+from ray_resilient._ray_internals import NO_API_SERVER
 
 LAYERS = 8
 BATCH = 8
@@ -134,17 +133,6 @@ class PhaseClock:
         finally:
             if self.phases is not None:
                 self.phases[name] = self.phases.get(name, 0.0) + time.monotonic() - start
-
-    def wrap(self, obj: Any, attr: str, name: str) -> None:
-        """Time every call of ``obj.<attr>`` as phase ``name`` (overrides it on the instance)."""
-        fn = getattr(obj, attr)
-
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with self.phase(name):
-                return fn(*args, **kwargs)
-
-        setattr(obj, attr, timed)
 
     def measure(self, blocking: Callable[[], None]) -> dict[str, float]:
         """Run ``blocking``; return its wall time (key ``stall``) and the phases inside it."""
@@ -270,30 +258,15 @@ class DcpSync(Saver):
 class Resilient(Saver):
     def __init__(self, job: Job):
         super().__init__(job)
-        self.ckpt = CheckpointManager(job.model, job.optimizer, interval_steps=job.steps_between,
-                                      write_threads=job.write_threads)
+        self.ckpt = Checkpointer(job.model, job.optimizer, interval_steps=job.steps_between,
+                                 write_threads=job.write_threads)
         self.ckpt.restore()  # a fresh run: finds nothing; takes the run's lease
-        job.clock.wrap(self.ckpt, "_register", "report previous to Ray")
-        job.clock.wrap(self.ckpt.components, "state_to_save", "build state dict")
-        job.clock.wrap(self.ckpt._writer, "save", "staging copy")
-        self.last_stalls: list[float] = []
-        self.saves: list[SaveResult] = []
-        collect = self.ckpt._collect_saves
-
-        def collect_and_keep(wait: bool) -> list[SaveResult]:
-            with job.clock.phase("collect finished saves"):
-                results = collect(wait)
-            self.saves.extend(results)
-            return results
-
-        self.ckpt._collect_saves = collect_and_keep
 
     def step_completed(self) -> None:
         self.ckpt.step_completed(0)
 
     def save(self, index: int) -> None:
         self.ckpt.step_completed(0, {"index": index})
-        self.last_stalls.append(self.ckpt.last_stall_seconds)
 
     def close(self) -> None:
         self.ckpt.finish()
@@ -318,13 +291,14 @@ def measure_method(job: Job, method: str, checkpoints: int) -> dict[str, list]:
         records.append(job.clock.measure(lambda: saver.save(index)))
     saver.close()
     measured: dict[str, list] = {"stalls": records}
-    if isinstance(saver, Resilient):
-        for record, last_stall in zip(records, saver.last_stalls):
-            record[LAST_STALL] = last_stall
-        if not all(save.ok for save in saver.saves):
-            raise RuntimeError(f"a ray_resilient save failed: {saver.saves}")
-        measured["durable"] = [save.durable_seconds for save in saver.saves]
-        measured["stage"] = [save.stage_seconds for save in saver.saves]
+    if isinstance(saver, Resilient):  # the phases of its stall, as the Checkpointer timed them
+        saves = list(saver.ckpt.recent_saves)
+        if len(saves) != len(records) or not all(save.ok for save in saves):
+            raise RuntimeError(f"expected {len(records)} ray_resilient saves, all durable: {saves}")
+        for record, save in zip(records, saves):
+            record.update(save.stall_phases, **{LAST_STALL: save.stall_seconds})
+        measured["durable"] = [save.durable_seconds for save in saves]
+        measured["stage"] = [save.stage_seconds for save in saves]
     for _ in range(job.steps_between):  # let the last asynchronous save finish before the next method
         job.train_step()
     job.settle()
@@ -428,7 +402,7 @@ def main() -> None:
     # PlacementGroupCleaner would ask whichever dashboard listens on 127.0.0.1:8265 (another
     # local Ray cluster's), not find this run's controller there, and remove the run's
     # placement group mid-run. A closed port makes it fail to ask, as it does when alone.
-    os.environ.setdefault("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")
+    os.environ.update(NO_API_SERVER)
     storage = tempfile.mkdtemp(prefix="checkpoint_stall_")
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:

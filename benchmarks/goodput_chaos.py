@@ -1,7 +1,7 @@
 """Goodput under chaos: ray_resilient vs. the naive checkpointing baseline, same job, same kills.
 
 Setup
-    One local multi-node Ray cluster (:class:`ray_resilient.local_cluster.LocalRayCluster`: a head
+    One local multi-node Ray cluster (:class:`ray_resilient.testing.LocalRayCluster`: a head
     node with 0 CPUs plus one worker node with ``--node-cpus`` CPUs, default 2) runs two
     ``TorchTrainer.fit()`` calls, one after the other, each from its own driver subprocess through
     :func:`ray_resilient.recommended_ray_config` (``--workers`` CPU workers on gloo, health check
@@ -13,7 +13,7 @@ Setup
     parameters plus Adam's two moments take 514 MiB (``--state-mb``, at least 512), wrapped in DDP
     by ``prepare_model``. A step is ``--step-seconds`` of ``time.sleep`` emulating accelerator
     compute, then one real forward/backward/``optimizer.step()`` on the rank's 8 samples of a
-    16-sample global batch of ``SyntheticBatches`` (``jobs/train_ddp.py``: ``--samples`` 800, the
+    16-sample global batch of ``SyntheticBatches`` (``ray_resilient.testing``: ``--samples`` 800, the
     order a pure function of (seed, epoch)); DDP all-reduces 171 MiB of gradients a step over gloo.
 
     Kills: ``--kills`` (4) in one seeded schedule for both runs, in wall-clock time from ``fit()``:
@@ -26,7 +26,7 @@ Setup
     group.
 
 The two runs
-    resilient  ``CheckpointManager(interval_steps="auto", mtbf_s=60)``: sharded asynchronous DCP
+    resilient  ``Checkpointer(interval_steps="auto", mtbf_s=60)``: sharded asynchronous DCP
                checkpoints (each rank stages its half of the replicated state, a background thread
                writes it), registered with Ray once durable; restore of the newest complete
                checkpoint with the exact data position; spare worker processes for the next
@@ -36,13 +36,13 @@ The two runs
                ``state_dict()`` into a temp dir, every rank calls ``ray.train.report(checkpoint=...)``
                with the default SYNC upload (Ray copies the directory into the run storage before
                returning); restore: every rank ``torch.load``s ``ray.train.get_checkpoint()``; no
-               spare workers. The interval follows the same rule as the manager's "auto", so
+               spare workers. The interval follows the same rule as the checkpointer's "auto", so
                neither run is handicapped by a badly chosen interval. Its step is its position in
                the data (epoch x batches per epoch + batch, as a plain ``for epoch ...: for batch
                in loader`` loop counts it); after a restore its data starts over at the first batch
                of the checkpoint's epoch, as a plain ``DataLoader`` does, so the positions since
                then are trained again (the ledger counts their first run as wasted: a step number
-               recorded again). Its train function records the same ledger events as the manager
+               recorded again). Its train function records the same ledger events as the checkpointer
                does (``attempt_start``, ``restore``, ``step``, ``save``, ``finish``).
 
 Measurement
@@ -92,7 +92,6 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -102,17 +101,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ray_resilient.checkpoint.save_policy import AUTO_FIRST_STEPS
+from ray_resilient.goodput.events import EventKind
+
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
-JOBS = REPO / "jobs"
-sys.path.insert(0, str(JOBS))
+DATA_MODULE = "ray_resilient.testing.synthetic_data"
 
 RESILIENT, NAIVE = "resilient", "naive"
 RUNS = (RESILIENT, NAIVE)
 HIDDEN_LAYERS = 7  # square hidden Linear layers; their width sets the state size
 ADAM_BYTES_PER_PARAM = 12  # fp32 parameter + Adam's two fp32 moments
-AUTO_FIRST_STEPS = 10  # as CheckpointManager(interval_steps="auto"): the first save measures the stall
-STEP_TIMES_KEPT = 50  # as CheckpointManager: the step time is the median of the last 50
+STEP_TIMES_KEPT = 50  # as Checkpointer: the step time is the median of the last 50
 NAIVE_STATE_FILE = "state.pt"
 KERNEL_THREADS = 2  # kthreadd, the parent of every kernel thread
 
@@ -127,7 +127,7 @@ def model_width(state_mb: float) -> int:
 
 def state_mib(width: int) -> float:
     """fp32 parameters + Adam's two moments of :func:`build_model` at ``width``, MiB."""
-    from train_ddp import CLASSES, FEATURES
+    from ray_resilient.testing.synthetic_data import CLASSES, FEATURES
 
     params = (FEATURES + 1) * width + HIDDEN_LAYERS * (width + 1) * width + (width + 1) * CLASSES
     return params * ADAM_BYTES_PER_PARAM / 2**20
@@ -137,7 +137,7 @@ def build_model(state_mb: float) -> Any:
     """An MLP (32 features -> HIDDEN_LAYERS square layers -> 4 classes) whose fp32 parameters plus
     Adam's two moments take at least ``state_mb`` MiB."""
     import torch
-    from train_ddp import CLASSES, FEATURES
+    from ray_resilient.testing.synthetic_data import CLASSES, FEATURES
 
     width = model_width(state_mb)
     layers: list[torch.nn.Module] = [torch.nn.Linear(FEATURES, width), torch.nn.ReLU()]
@@ -203,7 +203,7 @@ class Job:
         import ray.train
         import torch
         from ray.train.torch import prepare_model
-        from train_ddp import SyntheticBatches
+        from ray_resilient.testing.synthetic_data import SyntheticBatches
 
         context = ray.train.get_context()
         self.rank, self.world = context.get_world_rank(), context.get_world_size()
@@ -248,9 +248,9 @@ class Job:
 def train_resilient(config: dict[str, Any]) -> None:
     """ray_resilient: sharded async DCP checkpoints at the planner's interval, exact data position."""
     job = Job(config, RESILIENT)
-    from ray_resilient import CheckpointManager
+    from ray_resilient import Checkpointer
 
-    with CheckpointManager(job.model, job.optimizer, data=job.data, interval_steps="auto", mtbf_s=config["mtbf_s"],
+    with Checkpointer(job.model, job.optimizer, data=job.data, interval_steps="auto", mtbf_s=config["mtbf_s"],
                            seed=config["seed"], faults="", goodput_logger=None) as ckpt:
         state = ckpt.restore()
         job.log(restored=state.step, epoch=state.epoch, consumed=job.data.consumed)
@@ -267,7 +267,7 @@ class NaiveCheckpoints:
     directory into the run storage before returning); the temp dir is then removed. The loop
     stalls for all of it. Restore: every rank ``torch.load``s the checkpoint Ray hands back.
 
-    The interval follows the same rule as ``CheckpointManager(interval_steps="auto")``: the first
+    The interval follows the same rule as ``Checkpointer(interval_steps="auto")``: the first
     save :data:`AUTO_FIRST_STEPS` steps after the start or restore, then after every save Daly's
     interval from rank 0's last save stall and median step time (broadcast, so every rank reports
     at the same step).
@@ -275,22 +275,23 @@ class NaiveCheckpoints:
 
     def __init__(self, job: Job):
         from ray_resilient.goodput.ledger import LedgerWriter
+        from ray_resilient.storage import RunStorage
 
         self.job = job
         self.mtbf_s = job.config["mtbf_s"]
         self.ledger = None
         if job.rank == 0:
             # local_dir is only used for remote storage (a spool file); the run storage here is local
-            self.ledger = LedgerWriter(job.storage.storage_filesystem, job.storage.experiment_fs_path, 0,
-                                       os.path.join(tempfile.gettempdir(), "goodput-chaos-ledger"))
-            self.ledger.record("attempt_start", world_size=job.world)
+            self.ledger = LedgerWriter(RunStorage(job.storage.storage_filesystem, job.storage.experiment_fs_path,
+                                                  os.path.join(tempfile.gettempdir(), "goodput-chaos-ledger")), 0)
+            self.ledger.record(EventKind.ATTEMPT_START, world_size=job.world)
         self.interval = AUTO_FIRST_STEPS
         self.next_save = AUTO_FIRST_STEPS
         self.step_times: list[float] = []
         self.last_saved = -1
         self.mark = time.time()
 
-    def record(self, kind: str, **fields: Any) -> None:
+    def record(self, kind: EventKind, **fields: Any) -> None:
         if self.ledger is not None:
             self.ledger.record(kind, **fields)
 
@@ -313,12 +314,12 @@ class NaiveCheckpoints:
         resumed = saved // per_epoch * per_epoch
         self.next_save = resumed + self.interval
         self.mark = time.time()
-        self.record("restore", t=self.mark, t_start=started, step=resumed)
+        self.record(EventKind.RESTORE, t=self.mark, t_start=started, step=resumed)
         return saved, resumed
 
     def step_completed(self, step: int, epoch: int) -> None:
         ended = time.time()
-        self.record("step", t=ended, step=step, t_start=self.mark, data_wait=0.0)
+        self.record(EventKind.STEP, t=ended, step=step, t_start=self.mark, data_wait=0.0)
         self.step_times = (self.step_times + [ended - self.mark])[-STEP_TIMES_KEPT:]
         self.mark = ended
         if step >= self.next_save:
@@ -340,11 +341,11 @@ class NaiveCheckpoints:
                         "step": step, "epoch": epoch}, os.path.join(directory, NAIVE_STATE_FILE))
             checkpoint = Checkpoint.from_directory(directory)
         ray.train.report({"step": step, "epoch": epoch}, checkpoint=checkpoint)
-        self.record("durable", step=step)  # Ray's SYNC upload returned: copied into the run storage (no fsync)
+        self.record(EventKind.DURABLE, step=step)  # Ray's SYNC upload returned: copied into the run storage (no fsync)
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
         self.last_saved = step
-        self.record("save", t=time.time(), step=step, t_start=wall_started)
+        self.record(EventKind.SAVE, t=time.time(), step=step, t_start=wall_started)
         return time.monotonic() - started
 
     def update_interval(self, step: int, stall: float) -> None:
@@ -383,23 +384,21 @@ def train_naive(config: dict[str, Any]) -> None:
     job.log(finished=step)
 
 
-def drive(config_path: str) -> None:
-    """The driver of one run (a subprocess with the cluster's environment): one ``fit()``, result to JSON."""
+def drive(config: dict[str, Any]) -> dict[str, Any]:
+    """The driver of one run (:func:`ray_resilient.testing.run_driver`, which imports this module as
+    ``goodput_chaos``, so the workers import the train functions too): one ``fit()``; its times and error."""
     import ray
     from ray.train.torch import TorchTrainer
-
-    import goodput_chaos  # by name, so the workers import the train functions instead of unpickling them
 
     from ray_resilient import recommended_ray_config
     from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES
 
-    config = json.loads(Path(config_path).read_text())
     ray.init(address=config["address"])
-    # Spare workers come with ray_resilient's CheckpointManager; the naive loop has none.
+    # Spare workers come with ray_resilient's Checkpointer; the naive loop has none.
     ray_config = recommended_ray_config(config["run"], config["storage"], workers=config["workers"],
                                         max_failures=config["max_failures"], spare_workers=config["run"] == RESILIENT,
-                                        preload=(*DEFAULT_PRELOAD_MODULES, "train_ddp", "goodput_chaos"))
-    train_fn = goodput_chaos.train_resilient if config["run"] == RESILIENT else goodput_chaos.train_naive
+                                        preload=(*DEFAULT_PRELOAD_MODULES, DATA_MODULE, "goodput_chaos"))
+    train_fn = train_resilient if config["run"] == RESILIENT else train_naive
     loop = {**config["loop"], "t0": time.time()}  # the kill schedule's clock starts with fit()
     trainer = TorchTrainer(train_fn, train_loop_config=loop, **ray_config.trainer_kwargs())
     outcome: dict[str, Any] = {"t0": loop["t0"]}
@@ -409,8 +408,8 @@ def drive(config_path: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported by the parent process
         outcome.update(error=repr(err))
     outcome["fit_end"] = time.time()
-    Path(config["result"]).write_text(json.dumps(outcome, default=str))
     ray.shutdown()
+    return outcome
 
 
 # --- the kill schedule ------------------------------------------------------------------------------
@@ -460,7 +459,7 @@ def kept_samples(attempts: list[list[dict[str, Any]]]) -> Counter:
 
 def expected_samples(args: argparse.Namespace) -> Counter:
     """(epoch, sample id) of an uninterrupted run of ``args.steps`` steps."""
-    from train_ddp import SyntheticBatches
+    from ray_resilient.testing.synthetic_data import SyntheticBatches
 
     data = SyntheticBatches(args.samples, args.global_batch, args.seed, 0, 1)  # one rank: whole global batches
     expected: Counter = Counter()
@@ -509,8 +508,8 @@ def steady_intervals(events: list[dict[str, Any]]) -> list[int]:
 def analyse(run: str, root: Path, args: argparse.Namespace, outcome: dict[str, Any], figures: Path) -> dict[str, Any]:
     """The measured and predicted goodput of one run, its breakdown, its timeline (PNG) and report."""
     from ray_resilient.goodput.accounting import account, group_attempts
-    from ray_resilient.goodput.ledger import load_events, measured_inputs
-    from ray_resilient.goodput.planner import expected_goodput, interval_steps_for
+    from ray_resilient.goodput.ledger import load_events
+    from ray_resilient.goodput.planner import expected_goodput, interval_steps_for, measured_inputs
     from ray_resilient.goodput.report import render_report
 
     run_dir = str(root / "storage" / run)
@@ -668,34 +667,26 @@ def sample_foreign_cpu(samples: list[float], done: threading.Event, every_s: flo
 def run_once(run: str, root: Path, args: argparse.Namespace, cluster: Any,
              schedule: list[list[float]]) -> dict[str, Any]:
     """One ``fit()`` of ``run`` in a driver subprocess; its outcome (start time, end time, error)."""
+    from ray_resilient.testing import run_driver
+
     config = {
         "run": run, "address": cluster.address, "storage": str(root / "storage"), "workers": args.workers,
-        "max_failures": len(schedule), "result": str(root / f"result-{run}.json"),
+        "max_failures": len(schedule),
         "loop": {"record_dir": str(root / "record"), "schedule": schedule, "seed": args.seed, "mtbf_s": args.mtbf,
                  "state_mb": args.state_mb, "max_steps": args.steps, "step_seconds": args.step_seconds,
                  "samples": args.samples, "global_batch": args.global_batch},
     }
-    (root / f"config-{run}.json").write_text(json.dumps(config))
-    # Without a dashboard, Ray Train's PlacementGroupCleaner would ask whichever dashboard listens on
-    # 127.0.0.1:8265 (another local cluster's) and remove this run's placement group.
-    driver_env = {**cluster.env, "RAY_API_SERVER_ADDRESS": "http://127.0.0.1:1"}
     started = time.monotonic()
     foreign: list[float] = []
     done = threading.Event()
     sampler = threading.Thread(target=sample_foreign_cpu, args=(foreign, done), daemon=True)
     sampler.start()
     try:
-        with open(root / f"driver-{run}.log", "w") as log:
-            subprocess.run([sys.executable, "-c", "import sys, goodput_chaos; goodput_chaos.drive(sys.argv[1])",
-                            str(root / f"config-{run}.json")], env=driver_env, cwd=root, stdout=log,
-                           stderr=subprocess.STDOUT, timeout=args.timeout)
+        outcome = run_driver("goodput_chaos:drive", config, env=cluster.env, workdir=root, timeout=args.timeout,
+                             name=f"driver-{run}")
     finally:
         done.set()
         sampler.join()
-    result = root / f"result-{run}.json"
-    if not result.exists():
-        raise RuntimeError(f"the {run} driver wrote no result; see {root / f'driver-{run}.log'}")
-    outcome = json.loads(result.read_text())
     outcome["foreign_cpu"] = statistics.mean(foreign) if foreign else math.nan
     print(f"{run}: fit() took {time.monotonic() - started:.0f}s, error: {outcome.get('error')}", flush=True)
     if outcome.get("error"):
@@ -705,15 +696,15 @@ def run_once(run: str, root: Path, args: argparse.Namespace, cluster: Any,
 
 def main() -> None:
     args = parse_args()
-    from ray_resilient.local_cluster import LocalRayCluster
+    from ray_resilient.testing import LocalRayCluster
 
     schedule = kill_schedule(args.seed, args.mtbf, args.kills, args.workers)
     root = Path(tempfile.mkdtemp(prefix="goodput-chaos-"))
     (root / "ray").mkdir()
     (root / "record").mkdir()
     args.figures.mkdir(parents=True, exist_ok=True)
-    # The workers import this module (the train functions) and jobs/train_ddp.py through PYTHONPATH.
-    pythonpath = os.pathsep.join(filter(None, [str(BENCHMARKS), str(JOBS), str(REPO), os.environ.get("PYTHONPATH")]))
+    # The driver and the workers import this module (drive, the train functions) through PYTHONPATH.
+    pythonpath = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))
     try:
         outcomes = {}
         with LocalRayCluster(root / "ray", env={**os.environ, "PYTHONPATH": pythonpath}) as cluster:

@@ -13,7 +13,7 @@ Methods (each saves ``--saves`` times, one save every ``--steps-between`` steps)
     torch_save+SYNC    ``torch.save`` of model+optimizer state into a temp dir, then
                        ``ray.train.report(checkpoint=...)`` with Ray's default SYNC upload.
     torch_save+ASYNC   the same ``torch.save``, reported with ``CheckpointUploadMode.ASYNC``.
-    ray_resilient      ``CheckpointManager.step_completed`` on the save step, at an interval
+    ray_resilient      ``Checkpointer.step_completed`` on the save step, at an interval
                        longer than a save's time to durable (steady state), then at one
                        shorter (saves overlap writes; a save due while both staging buffer
                        sets are written is deferred, not waited for).
@@ -49,7 +49,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from ray.train.torch import TorchTrainer, get_device
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ray_resilient import CheckpointManager, recommended_ray_config
+from ray_resilient import Checkpointer, recommended_ray_config
 
 LAYERS = 8
 BATCH = 8
@@ -139,10 +139,10 @@ def torch_save_stalls(job: Job, saves: int, steps_between: int, mode: Checkpoint
     return stalls
 
 
-def resilient_phase(job: Job, ckpt: CheckpointManager, saves: int, steps_between: int) -> dict[str, Any]:
+def resilient_phase(job: Job, ckpt: Checkpointer, saves: int, steps_between: int) -> dict[str, Any]:
     """Train until ``saves`` saves started at an interval of ``steps_between`` steps: the stall of
     each step that started one, the saves deferred, and every save made durable meanwhile."""
-    ckpt.interval_steps = steps_between
+    ckpt.policy.interval_steps = steps_between
     deferred_before, started_before, stalls, durable = ckpt.deferred_saves, ckpt.saves_started, [], {}
     while ckpt.saves_started - started_before < saves:
         job.step()
@@ -165,7 +165,7 @@ def measure_fn(config: dict[str, Any]) -> None:
     results[TORCH_SYNC] = torch_save_stalls(job, saves, between, CheckpointUploadMode.SYNC, "torch_sync")
     results[TORCH_ASYNC] = torch_save_stalls(job, saves, between, CheckpointUploadMode.ASYNC, "torch_async")
     step_seconds = config["step_seconds"]
-    with CheckpointManager(job.model, job.optimizer, interval_steps=between, goodput_logger=None,
+    with Checkpointer(job.model, job.optimizer, interval_steps=between, goodput_logger=None,
                            write_threads=config["write_threads"]) as ckpt:
         ckpt.restore()  # a fresh run: finds nothing; takes the run's lease
         # The given interval first; if a save took longer than it to become durable, again at
@@ -184,7 +184,7 @@ def measure_fn(config: dict[str, Any]) -> None:
 
 def resume_fn(config: dict[str, Any]) -> None:
     job = Job(config["state_gib"], config["step_seconds"])
-    with CheckpointManager(job.model, job.optimizer, goodput_logger=None) as ckpt:
+    with Checkpointer(job.model, job.optimizer, goodput_logger=None) as ckpt:
         state = ckpt.restore()
         final = torch.load(config["final"], map_location=job.device)
         model_sd, optim_sd = get_state_dict(job.model, job.optimizer)

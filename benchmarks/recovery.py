@@ -1,7 +1,7 @@
 """Recovery from a worker kill: time from the kill to the first step completed after the restore.
 
 Setup
-    A local multi-node Ray cluster (:class:`ray_resilient.local_cluster.LocalRayCluster`): a head
+    A local multi-node Ray cluster (:class:`ray_resilient.testing.LocalRayCluster`): a head
     node with 0 CPUs (no worker lands on it) plus one worker node with ``--node-cpus`` CPUs
     (default 2). A driver subprocess runs one ``TorchTrainer`` through the configuration
     :func:`ray_resilient.recommended_ray_config` recommends (``--workers`` CPU workers on gloo,
@@ -10,10 +10,10 @@ Setup
 
     The train function (:func:`train_fn`, imported by the workers from this module) trains a small
     MLP (32 -> 512 -> 512 -> 512 -> 4, fp32, SGD with momentum: 2.2 MB of parameters, 4.4 MB of
-    state), wrapped in DDP by ``prepare_model``, on ``SyntheticBatches`` of ``jobs/train_ddp.py``
+    state), wrapped in DDP by ``prepare_model``, on ``SyntheticBatches`` (``ray_resilient.testing``)
     (resumable in-memory data). A step is ``--step-seconds`` of ``time.sleep`` emulating
     accelerator compute, then one real forward/backward/``optimizer.step()`` on the rank's slice
-    of a 64-sample global batch. ``CheckpointManager`` checkpoints every ``--interval`` steps
+    of a 64-sample global batch. ``Checkpointer`` checkpoints every ``--interval`` steps
     (sharded async DCP) and restores the newest complete checkpoint, data position included.
 
     ``--kills`` SIGKILLs of one worker process at seeded random steps come from
@@ -41,8 +41,8 @@ Timing
                  and new worker actors are started (new processes: ``import torch``, Ray Train),
                  the torch process group is set up.
     setup        train function entered -> ``restore()`` called: model, ``prepare_model`` (DDP
-                 broadcasts the parameters), optimizer, data, ``CheckpointManager`` (its gloo group).
-    restore      ``CheckpointManager.restore()``: find the newest complete checkpoint, load it (DCP).
+                 broadcasts the parameters), optimizer, data, ``Checkpointer`` (its gloo group).
+    restore      ``Checkpointer.restore()``: find the newest complete checkpoint, load it (DCP).
     ffwd         ``restore()`` returned -> the first batch at the restored data position in hand
                  (data fast-forward; ``SyntheticBatches`` seeks by index, so this is tiny here).
     first_step   that batch -> the first step completed after the restore (one step: sleep,
@@ -59,10 +59,10 @@ Timing
                  torch: it is already in ``sys.modules`` when the train function starts);
                  "Train context initialized".
     launch       -> the train function entered on every rank (torch process group set up, launch).
-    imports      train function entered -> its imports done (``ray.train.torch``, ``train_ddp``,
+    imports      train function entered -> its imports done (``ray.train.torch``, ``synthetic_data``,
                  ``ray_resilient``).
     model        -> model, DDP, optimizer and data built.
-    manager      -> ``CheckpointManager`` constructed (``restore()`` is called next).
+    manager      -> ``Checkpointer`` constructed (``restore()`` is called next).
 
     The last line printed is the summary the issue asks for (medians over the kills, with spares)::
 
@@ -76,7 +76,7 @@ Machine
 Result and what dominates (defaults, ``--seed 0``: 5 kills, all of rank 1, in 300 steps)
     Each invocation runs the same kill plan twice on fresh clusters: without spare workers
     (``recommended_ray_config(spare_workers=False)``) and with them, the default (see
-    :mod:`ray_resilient.spare_workers`; ``preload`` adds ``train_ddp`` and this module). On an
+    :mod:`ray_resilient.spare_workers`; ``preload`` adds the synthetic data's module and this one). On an
     otherwise quiet machine (2026-11-29)::
 
                           without spares   with spares (default)
@@ -111,27 +111,25 @@ Run: ``python benchmarks/recovery.py`` (about 4 minutes; ``--kills 2 --steps 120
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from ray_resilient._ray_internals import CONTROLLER_RESTART_MARKS, CONTROLLER_RETRY, controller_log
+
 BENCHMARKS = Path(__file__).resolve().parent
-REPO = BENCHMARKS.parent
-JOBS = REPO / "jobs"
-sys.path.insert(0, str(JOBS))
 
 HIDDEN = 512
+DATA_MODULE = "ray_resilient.testing.synthetic_data"
 # Modules whose presence at the train function's entry says what the worker imported before it.
-PRELOAD_PROBES = ("torch", "torch.distributed.checkpoint", "ray_resilient", "train_ddp", "recovery")
+PRELOAD_PROBES = ("torch", "torch.distributed.checkpoint", "ray_resilient", DATA_MODULE, "recovery")
 PHASES = ("detect", "restart", "setup", "restore", "ffwd", "first_step")
 
 
@@ -163,9 +161,9 @@ def train_fn(config: dict[str, Any]) -> None:
     import ray.train
     import torch
     from ray.train.torch import prepare_model
-    from train_ddp import CLASSES, FEATURES, SyntheticBatches
+    from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 
-    from ray_resilient import CheckpointManager
+    from ray_resilient import Checkpointer
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -183,7 +181,7 @@ def train_fn(config: dict[str, Any]) -> None:
     epochs = math.ceil(max_steps / data.batches_per_epoch) + 1
     log("model_ready")
 
-    with CheckpointManager(model, optimizer, data=data, interval_steps=config["interval"], seed=config["seed"],
+    with Checkpointer(model, optimizer, data=data, interval_steps=config["interval"], seed=config["seed"],
                            faults=config["faults"]) as ckpt:
         log("restore_start")
         state = ckpt.restore()
@@ -210,22 +208,20 @@ def train_fn(config: dict[str, Any]) -> None:
     log("finished", step=step)
 
 
-def drive(config_path: str) -> None:
-    """The driver (run in a subprocess with the cluster's environment): one ``fit()``, result to JSON."""
+def drive(config: dict[str, Any]) -> dict[str, Any]:
+    """The driver (:func:`ray_resilient.testing.run_driver`, which imports this module as ``recovery``,
+    so the workers import the train function too): one ``fit()``; its times and error."""
     import ray
     from ray.train.torch import TorchTrainer
-
-    import recovery  # by name, so the workers import the train function instead of unpickling it
 
     from ray_resilient import recommended_ray_config
     from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES
 
-    config = json.loads(Path(config_path).read_text())
     ray.init(address=config["address"])
     ray_config = recommended_ray_config("recovery", config["storage"], workers=config["workers"],
                                         max_failures=config["max_failures"], spare_workers=config["spares"],
-                                        preload=(*DEFAULT_PRELOAD_MODULES, "train_ddp", "recovery"))
-    trainer = TorchTrainer(recovery.train_fn, train_loop_config=config["loop"], **ray_config.trainer_kwargs())
+                                        preload=(*DEFAULT_PRELOAD_MODULES, DATA_MODULE, "recovery"))
+    trainer = TorchTrainer(train_fn, train_loop_config=config["loop"], **ray_config.trainer_kwargs())
     started = time.time()
     outcome: dict[str, Any] = {"fit_start": started}
     try:
@@ -234,8 +230,8 @@ def drive(config_path: str) -> None:
     except Exception as err:  # noqa: BLE001 - reported by the parent process
         outcome.update(error=repr(err))
     outcome["fit_end"] = time.time()
-    Path(config["result"]).write_text(json.dumps(outcome, default=str))
     ray.shutdown()
+    return outcome
 
 
 # --- analysis -------------------------------------------------------------------------------------
@@ -248,35 +244,9 @@ def read_events(record_dir: Path) -> list[dict[str, Any]]:
     return sorted(events, key=lambda e: e["t"])
 
 
-def controller_log(ray_temp_dir: Path) -> list[tuple[float, str]]:
-    """(time in s since the epoch, message) of Ray Train's controller log records, oldest first.
-
-    The ``sys`` log has every record (DEBUG included: the worker-group start-up timings); the
-    ``app`` log, at the run's log level, is the fallback.
-    """
-    for kind in ("sys", "app"):
-        pattern = str(ray_temp_dir / "**" / f"ray-train-{kind}-controller-*.log")
-        records = []
-        for path in glob.glob(pattern, recursive=True):
-            for line in Path(path).read_text(errors="replace").splitlines():
-                try:
-                    record = json.loads(line)
-                    records.append((int(record["timestamp_ns"]) / 1e9, str(record["message"])))
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                    continue
-        if records:
-            return sorted(records)
-    return []
-
-
 # Sub-phases of `restart`: the controller's log records that end them (the last one before the
 # restarted train function ran; `launch` ends when it ran on every rank).
-RESTART_MARKS = {
-    "stop+pg": "[Worker Group Initialization] Placement group ready",
-    "actors": "worker actors created",
-    "context": "[Worker Group Initialization] Train context initialized",
-}
-RESTART_DETAIL = (*RESTART_MARKS, "launch")
+RESTART_DETAIL = (*CONTROLLER_RESTART_MARKS, "launch")
 # Sub-phases of `setup`, ended by the train function's own events.
 SETUP_MARKS = {"imports": "imported", "model": "model_ready", "manager": "restore_start"}
 SETUP_DETAIL = tuple(SETUP_MARKS)
@@ -288,7 +258,7 @@ def recoveries(events: list[dict[str, Any]], plan: str, controller: list[tuple[f
 
     rows = []
     ranks = sorted({e["rank"] for e in events})
-    retries = [t for t, message in controller if message.startswith("[FailurePolicy] RETRY")]
+    retries = [t for t, message in controller if message.startswith(CONTROLLER_RETRY)]
     for fault in parse_faults(plan):
         killed = [e for e in events if e["event"] == "step" and e["step"] == fault.step and e["rank"] == fault.rank]
         if not killed:
@@ -321,7 +291,7 @@ def recoveries(events: list[dict[str, Any]], plan: str, controller: list[tuple[f
         }
         row.update(phase_lengths(t_kill, marks))
         restart = {name: max((t for t, message in controller if t_retry < t < t_start and needle in message),
-                             default=math.nan) for name, needle in RESTART_MARKS.items()}
+                             default=math.nan) for name, needle in CONTROLLER_RESTART_MARKS.items()}
         row.update(phase_lengths(t_retry, {**restart, "launch": t_start}))
         row.update(phase_lengths(t_start, {name: last_rank_at(event) for name, event in SETUP_MARKS.items()}))
         row["recovery"] = t_first_step - t_kill
@@ -422,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, plan: str, spares: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict]:
     """One run on a fresh local cluster: (recovery rows, events, the driver's outcome)."""
-    from ray_resilient.local_cluster import LocalRayCluster
+    from ray_resilient.testing import LocalRayCluster, run_driver
 
     root = Path(tempfile.mkdtemp(prefix="recovery-"))
     ray_dir, record_dir = root / "ray", root / "record"
@@ -430,28 +400,17 @@ def run(args: argparse.Namespace, plan: str, spares: bool) -> tuple[list[dict[st
     record_dir.mkdir()
     config = {
         "storage": str(root / "storage"), "workers": args.workers, "max_failures": args.kills, "spares": spares,
-        "result": str(root / "result.json"),
         "loop": {"record_dir": str(record_dir), "faults": plan, "seed": args.seed, "interval": args.interval,
                  "max_steps": args.steps, "step_seconds": args.step_seconds, "samples": 4096, "global_batch": 64},
     }
-    # The workers import this module (train_fn) and jobs/train_ddp.py (the data) through PYTHONPATH.
-    pythonpath = os.pathsep.join(filter(None, [str(BENCHMARKS), str(JOBS), str(REPO), os.environ.get("PYTHONPATH")]))
+    # The driver and the workers import this module (drive, train_fn) through PYTHONPATH.
+    pythonpath = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))
     keep = args.keep
     try:
         with LocalRayCluster(ray_dir, env={**os.environ, "PYTHONPATH": pythonpath}) as cluster:
             cluster.add_node(cpus=args.node_cpus)
-            config["address"] = cluster.address
-            (root / "config.json").write_text(json.dumps(config))
-            # Without a dashboard, Ray Train's PlacementGroupCleaner would ask whichever dashboard
-            # listens on 127.0.0.1:8265 (another local cluster's) and remove this run's placement group.
-            driver_env = {**cluster.env, "RAY_API_SERVER_ADDRESS": "http://127.0.0.1:1"}
-            with open(root / "driver.log", "w") as log:
-                subprocess.run([sys.executable, "-c", "import sys, recovery; recovery.drive(sys.argv[1])",
-                                str(root / "config.json")], env=driver_env, cwd=root, stdout=log,
-                               stderr=subprocess.STDOUT, timeout=args.timeout)
-        if not (root / "result.json").exists():
-            raise RuntimeError(f"the driver wrote no result; see {root / 'driver.log'} (temp dir kept)")
-        outcome = json.loads((root / "result.json").read_text())
+            outcome = run_driver("recovery:drive", {**config, "address": cluster.address}, env=cluster.env,
+                                 workdir=root, timeout=args.timeout)
         events = read_events(record_dir)
         return recoveries(events, plan, controller_log(ray_dir)), events, outcome
     except BaseException:

@@ -25,13 +25,15 @@
 #   RAY_RESILIENT_AGENT_PORT      the head's dashboard agent, which runs submitted jobs (52365)
 #   RAY_RESILIENT_RAY_TEMP_DIR    the head's Ray temp dir (Ray's default, /tmp/ray; keep it short: socket
 #                                 paths under it must fit in 107 characters); worker node i: <it>-worker-i
-#   RAY_RESILIENT_S3_PORT         S3 (8333; SeaweedFS also takes this port + 10000 for gRPC)
+#   RAY_RESILIENT_S3_PORT         S3 (8333; SeaweedFS's other ports are free ones)
 #   RAY_RESILIENT_MLFLOW_PORT     MLflow tracking server (5000)
 #   RAY_RESILIENT_BUCKET          the bucket (ray-resilient; at least 3 characters)
 #
 # Every node runs `ray start --block` in its own session, so `down` stops this cluster's processes
 # (the process groups it recorded, and every process descended from them, e.g. Ray's workers)
 # without touching other Ray clusters on the machine, as `ray stop` would. Linux only (setsid, /proc).
+# The S3 server, the readiness checks and the head's settings come from the test rig's command line
+# (python -m ray_resilient.testing), which the tests and benchmarks use too.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -42,10 +44,7 @@ PY="$VENV_BIN/python"
 STATE=${RAY_RESILIENT_CLUSTER_DIR:-$HOME/.ray_resilient/cluster}
 SETTINGS="$STATE/cluster.env"
 JOB_SCRIPT="jobs/train_images.py"
-# GCS health checks of the raylets: a lost node is declared dead after ~3 s instead of ~15 s
-# (ray_resilient.local_cluster.FAST_NODE_FAILURE_DETECTION).
-FAST_NODE_FAILURE_DETECTION=(RAY_health_check_period_ms=1000 RAY_health_check_timeout_ms=1000
-                             RAY_health_check_failure_threshold=3)
+RIG=("$PY" -m ray_resilient.testing)
 # The recorded settings' names (cluster.env): none comes from the caller's environment.
 unset RAY_PORT DASHBOARD_PORT CLIENT_PORT AGENT_PORT RAY_TEMP_DIR S3_PORT MLFLOW_PORT BUCKET S3_ACCESS_KEY \
   S3_SECRET_KEY AWS_REGION_NAME
@@ -119,7 +118,7 @@ alive() {  # PID: running (a zombie is not)?
 pattern_of() {  # NAME: what the command line of that component's recorded PID contains
   case $1 in
     head | worker-*) echo "ray start" ;;
-    s3) echo "weed" ;;
+    s3) echo "ray_resilient.testing s3-server" ;;
     mlflow) echo "mlflow" ;;
   esac
 }
@@ -208,69 +207,11 @@ stop_all() {  # stop the workers (last started first), the head, then MLflow and
 # --- readiness ---------------------------------------------------------------------------------
 
 await() {  # WHAT TIMEOUT PID KIND ARGS...: wait until a service answers; fail if PID exits first
+  # (KIND: http URL [BEARER_TOKEN_FILE], s3 ENDPOINT BUCKET, ray-nodes GCS_ADDRESS N; see `python -m
+  # ray_resilient.testing --help`)
   local what=$1 timeout=$2 pid=$3
   shift 3
-  if ! "$PY" - "$timeout" "$pid" "$@" <<'PY'; then
-import os, sys, time, urllib.request
-
-timeout, pid, kind, *args = sys.argv[1:]
-deadline = time.monotonic() + float(timeout)
-
-def running() -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-def ready() -> bool:
-    if kind == "http":  # URL [BEARER_TOKEN_FILE]: answers 200
-        request = urllib.request.Request(args[0])
-        try:
-            if len(args) > 1:
-                with open(os.path.expanduser(args[1])) as token:
-                    request.add_header("Authorization", f"Bearer {token.read().strip()}")
-            with urllib.request.urlopen(request, timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
-    if kind == "s3":  # ENDPOINT BUCKET: the bucket can be listed (credentials from AWS_*)
-        import pyarrow.fs as pafs
-
-        fs = pafs.S3FileSystem(endpoint_override=args[0], scheme="http", region="us-east-1",
-                               access_key=os.environ["AWS_ACCESS_KEY_ID"],
-                               secret_key=os.environ["AWS_SECRET_ACCESS_KEY"])
-        try:
-            fs.get_file_info(pafs.FileSelector(args[1]))
-            return True
-        except OSError:
-            return False
-    if kind == "ray-nodes":  # GCS_ADDRESS N: at least N nodes alive (token auth from RAY_AUTH_MODE)
-        import socket
-
-        host, port = args[0].rsplit(":", 1)
-        try:  # before the GCS listens, a GcsClient would block for half a minute
-            socket.create_connection((host, int(port)), timeout=2).close()
-        except OSError:
-            return False
-        from ray._raylet import GcsClient
-
-        try:
-            nodes = GcsClient(address=args[0]).get_all_node_info(timeout=5)
-        except Exception:  # the GCS is still starting
-            return False
-        return sum(info.state == 0 for info in nodes.values()) >= int(args[1])  # 0: ALIVE
-    raise ValueError(kind)
-
-while True:
-    if not running():
-        sys.exit("exited")
-    if ready():
-        break
-    if time.monotonic() > deadline:
-        sys.exit(f"no answer within {timeout}s")
-    time.sleep(0.5)
-PY
+  if ! "${RIG[@]}" wait --pid "$pid" --timeout "$timeout" "$@"; then
     die "$what did not come up; see the end of its log:
 $(tail -n 20 "$STATE/logs/$what.log" 2>/dev/null)"
   fi
@@ -312,8 +253,7 @@ cmd_up() {
   done
   rm -f "$STATE/pids/"worker-*.pid
   fresh_settings
-  for port in "$RAY_PORT" "$DASHBOARD_PORT" "$CLIENT_PORT" "$AGENT_PORT" "$S3_PORT" "$((S3_PORT + 10000))" \
-              "$MLFLOW_PORT"; do
+  for port in "$RAY_PORT" "$DASHBOARD_PORT" "$CLIENT_PORT" "$AGENT_PORT" "$S3_PORT" "$MLFLOW_PORT"; do
     if port_taken "$port"; then
       die "port $port on 127.0.0.1 is taken (another cluster, a test's S3 server?): stop it, or choose other" \
           "ports with the RAY_RESILIENT_*_PORT variables (see cluster/local.sh --help)"
@@ -343,14 +283,15 @@ EOF
   # Ray's workers and to job drivers: S3 credentials, MLflow, token auth), no other cluster's address,
   # and this cluster's dashboard as the state API server: without it, Ray Train's PlacementGroupCleaner
   # looks for "the" local cluster and fails (or finds another one) when several run on the machine.
-  local env_words
+  # Fast node-failure detection: the GCS declares a lost node dead after ~3 s instead of ~15 s.
+  local env_words fast_detection settings
   read -r -a env_words <<<"$(client_env)"
+  settings=$("${RIG[@]}" fast-node-failure-env)
+  mapfile -t fast_detection <<<"$settings"
   local node_env=(env -u RAY_ADDRESS "RAY_API_SERVER_ADDRESS=http://127.0.0.1:$DASHBOARD_PORT" "${env_words[@]:1}"
-                  "${FAST_NODE_FAILURE_DETECTION[@]}")
+                  "${fast_detection[@]}")
 
-  start_bg s3 "${node_env[@]}" "$VENV_BIN/weed" mini -dir="$STATE/s3" -bucket="$BUCKET" -ip=127.0.0.1 \
-    -ip.bind=127.0.0.1 -s3.port="$S3_PORT" -webdav=false -admin.ui=false -s3.port.iceberg=0 \
-    -s3.port.lance=0 -master.telemetry=false
+  start_bg s3 "${node_env[@]}" "${RIG[@]}" s3-server "$STATE/s3" --bucket "$BUCKET" --port "$S3_PORT" --timeout 120
   start_bg mlflow "${node_env[@]}" "$VENV_BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
     --backend-store-uri "sqlite:///$STATE/mlflow/mlflow.db" --artifacts-destination "$STATE/mlflow/artifacts"
   local temp_dir_arg=()

@@ -34,8 +34,15 @@ from ray.train.torch import TorchTrainer, get_device, prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from ray_resilient import CheckpointManager, recommended_ray_config
-from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform, eval_transform
+from ray_resilient import Checkpointer, recommended_ray_config
+from ray_resilient.data import (
+    StreamingConfig,
+    Volume,
+    VolumeDataLoader,
+    VolumeImageDataset,
+    default_transform,
+    eval_transform,
+)
 from ray_resilient.goodput import parse_duration
 from ray_resilient.tracking import BackgroundMetrics, MlflowMetrics, current_run_name, default_tracking_uri
 
@@ -98,9 +105,9 @@ def train_fn(config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     train_volume, val_volume = Volume(f"{config['volume']}/train"), Volume(f"{config['volume']}/val")
-    dataset = VolumeImageDataset(train_volume, config["cache_dir"], global_batch=config["global_batch"], rank=rank,
-                                 world_size=world, seed=config["seed"], cache_limit=config["cache_limit"],
-                                 transform=default_transform(config["image_size"]))
+    dataset = VolumeImageDataset(train_volume, global_batch=config["global_batch"], rank=rank, world_size=world,
+                                 seed=config["seed"], transform=default_transform(config["image_size"]),
+                                 streaming=StreamingConfig(config["cache_dir"], config["cache_limit"]))
     loader = VolumeDataLoader(dataset, num_workers=config["loader_workers"], log_every=config["log_every"])
     torch.manual_seed(config["seed"])
     model = parallelize(build_model(config["model"], len(config["class_names"])), config["parallelism"])
@@ -112,7 +119,7 @@ def train_fn(config: dict[str, Any]) -> None:
     run_name = current_run_name()
     metrics_log = BackgroundMetrics(lambda: MlflowMetrics(run_name), "job") if rank == 0 else None
     metrics: dict[str, float] = {}
-    with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
+    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
                            interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
                            goodput_log_every=config["log_every"], faults=config["faults"]) as ckpt:
         state = ckpt.restore()
@@ -228,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def print_summary(result: ray.train.Result, config: dict[str, Any], run_dir: str, tracking_uri: str) -> None:
     """The end of the job: goodput report and timeline (next to the run, and in MLflow), where everything is."""
-    from ray_resilient.data.volume import open_filesystem
+    from ray_resilient.storage import open_filesystem
     from ray_resilient.goodput.report import render_report
 
     metrics = result.metrics or {}

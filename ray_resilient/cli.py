@@ -18,11 +18,12 @@ import sys
 from ray_resilient.goodput.planner import (
     SECONDS_PER_DAY,
     MeasuredInputs,
-    Plan,
+    measured_inputs,
     mtbf_from_annual_failure_rate,
     parse_duration,
     plan_from_measured,
 )
+from ray_resilient.goodput.report import format_plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,8 +185,6 @@ def _goodput_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
     costs = MeasuredInputs(save_stall_s=None, restart_s=None, step_s=None, durable_latency_s=None)
     if args.from_run is not None:
-        from ray_resilient.goodput.ledger import measured_inputs
-
         try:
             costs = measured_inputs(args.from_run)
         except (OSError, ValueError) as error:
@@ -258,88 +257,6 @@ def _goodput_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         print(format_report(args.run_dir, breakdown))
         print(f"\ntimeline: {png}")
     return 0
-
-
-def format_duration(seconds: float) -> str:
-    """``seconds`` in the largest unit it reaches (``45s``, ``1.5h``), to 3 significant digits."""
-    for unit, size in (("d", SECONDS_PER_DAY), ("h", 3600.0), ("m", 60.0), ("s", 1.0)):
-        if seconds >= size:
-            break
-    value = seconds / size
-    return f"{value:.3g}{unit}" if value < 1000 else f"{value:.0f}{unit}"
-
-
-def format_plan(plan: Plan, source: str) -> str:
-    """A human-readable report of ``plan``; ``source`` says where the failure rate came from."""
-    failures = [
-        ("job MTBF", f"{format_duration(plan.mtbf_s)}  ({source})"),
-        ("failures per day", f"{plan.failures_per_day:.3g}"),
-    ]
-    if plan.run_s is not None:
-        days = format_duration(plan.run_s)
-        failures += [
-            (f"P(at least one failure) in {days}", f"{plan.p_any_failure:.1%}"),
-            (f"expected failures in {days}", f"{plan.expected_failures:.3g}"),
-        ]
-    lines = ["Failures", *_rows(*failures)]
-    if plan.run_s is None:
-        lines.append("  (pass --days for the failures over the run)")
-
-    def known(seconds: float | None) -> str:
-        return "unknown" if seconds is None else format_duration(seconds)
-
-    lines += ["", "Costs"]
-    lines += _rows(
-        ("save stall", known(plan.save_stall_s)),
-        ("restart", format_duration(plan.restart_s)),
-        ("durable latency", format_duration(plan.durable_latency_s)),
-        ("step time", known(plan.step_s)),
-    )
-    if plan.save_stall_s is None:
-        lines += ["", "(pass --save-stall or --from-run for the optimal interval and goodput)"]
-        return "\n".join(lines)
-
-    recommended = format_duration(plan.recommended_interval_s)
-    if plan.recommended_interval_steps is not None:
-        recommended += f" = {plan.recommended_interval_steps} steps"
-    lines += ["", "Optimal interval"]
-    lines += _rows(
-        ("Young sqrt(2*S*M)", format_duration(plan.young_interval_s)),
-        ("Daly (2006)", format_duration(plan.daly_interval_s)),
-        ("goodput at Daly's", f"{plan.optimal_goodput:.1%}"),
-        ("recommended", recommended),
-    )
-    if plan.interval_s is not None:
-        lines += ["", f"At the given interval ({format_duration(plan.interval_s)})"]
-        lines += _rows(
-            ("lost work per failure", format_duration(plan.lost_per_failure_s)),
-            ("lost work per day", format_duration(plan.lost_per_day_s)),
-            ("goodput", f"{plan.goodput:.1%}"),
-        )
-
-    steps = plan.step_s is not None
-    table = [["interval", *(["steps"] if steps else []), "lost/failure", "lost/day", "goodput", ""]]
-    for row in plan.table:
-        table.append([
-            format_duration(row.interval_s),
-            *([f"{row.interval_s / plan.step_s:.0f}"] if steps else []),
-            format_duration(row.lost_per_failure_s),
-            format_duration(row.lost_per_day_s),
-            f"{row.goodput:.1%}",
-            row.label,
-        ])
-    widths = [max(len(cells[i]) for cells in table) for i in range(len(table[0]))]
-    lines.append("")
-    for cells in table:
-        numbers = [cell.rjust(width) for cell, width in zip(cells[:-1], widths)]
-        lines.append("  " + "  ".join([*numbers, cells[-1]]).rstrip())
-    return "\n".join(lines)
-
-
-def _rows(*pairs: tuple[str, str]) -> list[str]:
-    """``label  value`` lines with the values aligned."""
-    width = max(len(label) for label, _ in pairs)
-    return [f"  {label.ljust(width)}  {value}" for label, value in pairs]
 
 
 if __name__ == "__main__":

@@ -38,12 +38,12 @@ Each choice, and why:
 - Spare workers (``spare_workers=True``): a restart replaces the whole worker group with new
   processes, each starting Ray's worker and importing torch, Ray Train and ray_resilient, most
   of a recovery. Every worker process imports the ``preload`` modules as it starts, and once an
-  attempt trains, :class:`~ray_resilient.CheckpointManager` asks each node's raylet for as many
+  attempt trains, :class:`~ray_resilient.Checkpointer` asks each node's raylet for as many
   idle processes as the node runs ranks; the next restart's actors take them
   (:mod:`ray_resilient.spare_workers`). Add the train function's heavy imports to ``preload``.
 
   On the cluster side, the GCS declares a lost node dead after about 15 s of missed health
-  checks; :data:`ray_resilient.local_cluster.FAST_NODE_FAILURE_DETECTION` shortens that to about
+  checks; :data:`ray_resilient._ray_internals.FAST_NODE_FAILURE_DETECTION` shortens that to about
   3 s (set on the head node).
 """
 
@@ -60,14 +60,17 @@ from ray.train import (
     CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError, UserCallback,
 )
 
+from ray_resilient._ray_internals import TRAIN_HEALTH_CHECK_INTERVAL_ENV, TRAIN_WORKER_GROUP_START_TIMEOUT_ENV
 from ray_resilient.checkpoint.layout import list_checkpoints
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
-from ray_resilient.goodput.ledger import LedgerWriter, run_storage
+from ray_resilient.goodput.events import EventKind
+from ray_resilient.goodput.ledger import LedgerWriter
+from ray_resilient.storage.run import RunStorage
 from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES, worker_env
 
 RECOMMENDED_ENV = {
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+    TRAIN_HEALTH_CHECK_INTERVAL_ENV: "0.5",
+    TRAIN_WORKER_GROUP_START_TIMEOUT_ENV: "10",
 }
 
 
@@ -112,9 +115,10 @@ class ResilientRayConfig:
         fit the job, a run directory another driver holds).
         """
         run = self.run_config
-        filesystem, run_dir = self._run_storage()
-        ledger = LedgerWriter(filesystem, run_dir, rank=-1, local_dir=tempfile.mkdtemp(prefix="ray-resilient-driver-"))
-        ledger.record("job_start")
+        storage = self._run_storage()
+        filesystem, run_dir = storage.filesystem, storage.experiment_path
+        ledger = LedgerWriter(storage, rank=-1)
+        ledger.record(EventKind.JOB_START)
         ledger.close()
         try:
             return trainer.fit()
@@ -132,12 +136,12 @@ class ResilientRayConfig:
                 f"start the driver again with the same name and storage path to resume from it."
             ) from err
 
-    def _run_storage(self) -> tuple[pafs.FileSystem, str]:
-        """(filesystem, run directory) of the run."""
+    def _run_storage(self) -> RunStorage:
         run = self.run_config
+        run_dir = f"{run.storage_path.rstrip('/')}/{run.name}"
         if run.storage_filesystem is not None:
-            return run.storage_filesystem, f"{run.storage_path.rstrip('/')}/{run.name}"
-        return run_storage(f"{run.storage_path.rstrip('/')}/{run.name}")
+            return RunStorage(run.storage_filesystem, run_dir, tempfile.mkdtemp(prefix="ray-resilient-driver-"))
+        return RunStorage.from_uri(run_dir, tempfile.mkdtemp(prefix="ray-resilient-driver-"))
 
 
 def recommended_ray_config(

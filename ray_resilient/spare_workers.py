@@ -16,8 +16,9 @@ trains.
 Costs: every spare is an idle process with torch, Ray Train and ray_resilient imported (about
 0.7 GB of host memory), and starting one takes a few CPU seconds on the node while training goes
 on. Each attempt asks once, and the next restart consumes them, so a node keeps one spare per
-rank; spares end with the job. This uses Ray internals (the RPC and the setup hook's environment variable); when the
-request fails, a warning is logged and training goes on without spares.
+rank; spares end with the job. This uses Ray internals (the RPC and the setup hook's environment
+variable, both in :mod:`ray_resilient._ray_internals`); when one moved or the request fails, a
+warning is logged and training goes on without spares.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import math
 import os
 from collections.abc import Sequence
 
+from ray_resilient._ray_internals import prestart_workers, worker_setup_hook_env_var
+
 logger = logging.getLogger(__name__)
 
-SPARE_WORKERS_ENV = "RAY_RESILIENT_SPARE_WORKERS"  # "1": CheckpointManager asks for spares
+SPARE_WORKERS_ENV = "RAY_RESILIENT_SPARE_WORKERS"  # "1": Checkpointer asks for spares
 PRELOAD_ENV = "RAY_RESILIENT_PRELOAD_MODULES"  # comma-separated modules a spare imports at start
 DEFAULT_PRELOAD_MODULES = ("torch", "ray.train.torch", "ray_resilient")
 KEEP_ALIVE_S = 24 * 3600  # Ray's idle-worker reaper leaves a spare alone this long (then keeps up to num_cpus idle)
@@ -46,13 +49,15 @@ def worker_env(preload: Sequence[str] = DEFAULT_PRELOAD_MODULES, cpus_per_worker
     least 1): Ray sets it when the worker's actor starts, after the preload has imported torch,
     which sizes its thread pool from it.
     """
-    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-
     for name in preload:
         if not name or "," in name:
             raise ValueError(f"preload module names must be non-empty and without commas, got {name!r}")
-    return {SPARE_WORKERS_ENV: "1", PRELOAD_ENV: ",".join(preload), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: _SETUP_HOOK,
-            "OMP_NUM_THREADS": str(max(math.floor(cpus_per_worker), 1))}
+    env = {SPARE_WORKERS_ENV: "1", PRELOAD_ENV: ",".join(preload),
+           "OMP_NUM_THREADS": str(max(math.floor(cpus_per_worker), 1))}
+    hook_env_var = worker_setup_hook_env_var()
+    if hook_env_var is not None:
+        env[hook_env_var] = _SETUP_HOOK
+    return env
 
 
 def preload_modules() -> None:
@@ -73,31 +78,22 @@ def spares_enabled() -> bool:
     return os.environ.get(SPARE_WORKERS_ENV) == "1"
 
 
+class SpareWorkerRequest:
+    """The checkpointer's hook (:class:`~ray_resilient.checkpoint.hooks.AttemptHook`): once an
+    attempt trains, local rank 0 of each node asks for one spare per rank of the node."""
+
+    def first_step(self) -> None:
+        import ray.train
+
+        context = ray.train.get_context()
+        if context.get_local_rank() == 0:
+            start_spare_workers(context.get_local_world_size())
+
+
 def start_spare_workers(count: int, keep_alive_s: int = KEEP_ALIVE_S) -> bool:
     """Ask this node's raylet for ``count`` idle workers of this job with this worker's runtime env.
 
-    Call from inside a Ray worker. Returns whether the raylet accepted the request.
+    Call from inside a Ray worker. Returns whether the raylet accepted the request (a warning
+    is logged when not: training goes on without spares).
     """
-    import ray
-    from ray._private.grpc_utils import init_grpc_channel
-    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
-
-    context = ray.get_runtime_context()
-    try:
-        node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
-        request = node_manager_pb2.PrestartWorkersRequest(
-            language=common_pb2.Language.PYTHON,
-            job_id=ray.JobID.from_hex(context.get_job_id()).binary(),
-            keep_alive_duration_secs=keep_alive_s,
-            num_workers=count,
-        )
-        request.runtime_env_info.serialized_runtime_env = context.get_runtime_env_string()
-        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
-        try:
-            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
-        finally:
-            channel.close()
-    except Exception:  # noqa: BLE001 - spares only speed up the next restart
-        logger.warning("Could not start spare Ray workers; the next restart starts new processes", exc_info=True)
-        return False
-    return True
+    return prestart_workers(count, keep_alive_s)

@@ -1,7 +1,7 @@
 """MLflow metrics for a Ray Train run: one MLflow run per Ray Train run, found again after restarts.
 
 Telemetry never stops training: the metrics the library logs by default (``data/...`` from the
-loader, ``goodput/...`` from the checkpoint manager) go through :class:`BackgroundMetrics`, so an
+loader, ``goodput/...`` from the checkpointer) go through :class:`BackgroundMetrics`, so an
 MLflow outage (its client retries for minutes, then raises) neither blocks nor raises in the loop.
 """
 
@@ -128,3 +128,23 @@ class BackgroundMetrics:
                                    "counted in failed", self.name, type(err).__name__, err)
             finally:
                 self._queue.task_done()
+
+
+def resolve_metrics_logger(setting: MetricsLogger | str | None, *, prefix: str, name: str,
+                           enabled: bool = True) -> MetricsLogger | None:
+    """The logger a ``metrics_logger`` / ``goodput_logger`` setting names, checked at construction.
+
+    ``"mlflow"``: the MLflow run of the current Ray Train run (metrics ``<prefix>...``), through a
+    :class:`BackgroundMetrics` (opened on its delivery thread on first use); a callable
+    ``(metrics, step)`` as is; None logs nothing. ``enabled=False`` (ranks other than 0) checks
+    the setting and returns None.
+    """
+    if isinstance(setting, str) and setting != "mlflow" or not (setting is None or isinstance(setting, str)
+                                                                or callable(setting)):
+        raise ValueError(f"a metrics logger is 'mlflow', a callable (metrics, step) or None; got {setting!r}")
+    if not enabled or setting is None:
+        return None
+    if setting == "mlflow":
+        run_name = current_run_name()
+        return BackgroundMetrics(lambda: MlflowMetrics(run_name, prefix=prefix), name)
+    return setting

@@ -9,12 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import textwrap
 import time
+from typing import Any
 
 import pyarrow.fs as pafs
 import pytest
@@ -22,11 +19,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import trainlib
-from conftest import wait_until
 from ray_resilient.goodput.accounting import PARTS
 from ray_resilient import RunFailedError, list_checkpoints, random_kill_plan, recommended_ray_config
-from ray_resilient.local_cluster import LocalRayCluster
-from train_ddp import SyntheticBatches
+from ray_resilient.testing import Driver, DriverError, LocalRayCluster, SyntheticBatches, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -80,21 +75,24 @@ def test_a_restarted_worker_group_starts_on_spare_processes_warmed_before_the_fa
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
-def _driver(cluster: LocalRayCluster, record, storage, name: str, workers, config: dict, cwd) -> subprocess.Popen:
-    """A driver process running ``train_fn`` with the recommended Ray configuration."""
-    script = textwrap.dedent(f"""
-        import ray, trainlib
-        from ray.train.torch import TorchTrainer
-        from ray_resilient import recommended_ray_config
-        ray.init(address={cluster.address!r})
-        config = recommended_ray_config({name!r}, {str(storage)!r}, workers={workers!r}, max_failures=3,
+def fit_in_driver(config: dict[str, Any]) -> dict[str, str]:
+    """Runs in the driver process (:func:`_driver`): ``train_fn`` with the recommended Ray configuration."""
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    ray.init(address=config["address"])
+    workers = tuple(config["workers"]) if isinstance(config["workers"], list) else config["workers"]  # JSON
+    ray_config = recommended_ray_config(config["name"], config["storage"], workers=workers, max_failures=3,
                                         resize_check_s=2)
-        result = TorchTrainer(trainlib.train_fn, train_loop_config={config!r}, **config.trainer_kwargs()).fit()
-        assert result.error is None, result.error
-        print("FINAL", result.checkpoint.path, flush=True)
-    """)
-    return subprocess.Popen([sys.executable, "-c", script], env=cluster.env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    result = TorchTrainer(trainlib.train_fn, train_loop_config=config["loop"], **ray_config.trainer_kwargs()).fit()
+    assert result.error is None, result.error
+    return {"checkpoint": result.checkpoint.path}
+
+
+def _driver(cluster: LocalRayCluster, storage, name: str, workers, loop: dict, workdir, log: str) -> Driver:
+    """A driver process running :func:`fit_in_driver`; its output in ``workdir/<log>.log``."""
+    config = {"address": cluster.address, "name": name, "storage": str(storage), "workers": workers, "loop": loop}
+    return Driver.start("test_chaos:fit_in_driver", config, env=cluster.env, workdir=workdir, name=log)
 
 
 def _steps_recorded(record, rank: int) -> int:
@@ -120,10 +118,10 @@ def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism,
     config = trainlib.job_config(record, step_seconds=0.1, **job)
     with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
         nodes = [cluster.add_node(cpus=1), cluster.add_node(cpus=1)]
-        driver = _driver(cluster, record, tmp_path / "storage", "elastic", (1, 2), config, tmp_path)
+        driver = _driver(cluster, tmp_path / "storage", "elastic", (1, 2), config, tmp_path, "driver")
 
         def rank1_trained(steps: int) -> bool:
-            assert driver.poll() is None, driver.stdout.read()[-5000:]
+            assert driver.running(), driver.output()[-5000:]
             return _steps_recorded(record, 1) >= steps
 
         wait_until(lambda: rank1_trained(15), timeout=300, what="rank 1 to train 15 steps")
@@ -131,13 +129,12 @@ def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism,
         next(n for n in nodes if n.node_id == rank1_node).kill()
 
         def shrunk() -> bool:
-            assert driver.poll() is None, driver.stdout.read()[-5000:]
+            assert driver.running(), driver.output()[-5000:]
             return [a["world_size"] for a in trainlib.read_attempts(str(record))] == [2, 1]
 
         wait_until(shrunk, timeout=300, what="the run to restart on the remaining node")
         cluster.add_node(cpus=1)
-        output, _ = driver.communicate(timeout=600)
-    assert driver.returncode == 0, output[-5000:]
+        driver.wait(timeout=600)
     attempts = trainlib.read_attempts(str(record))
     assert [a["world_size"] for a in attempts] == [2, 1, 2], attempts
     kept = trainlib.kept_global_batches(str(record))
@@ -162,20 +159,18 @@ def test_a_driver_started_again_with_the_same_name_resumes_the_run(reference, tm
     config = trainlib.job_config(record, step_seconds=0.2)
     with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
         cluster.add_node(cpus=2)
-        first = _driver(cluster, record, storage, "rerun", 2, config, tmp_path)
-        wait_until(lambda: first.poll() is None and _steps_recorded(record, 0) >= 12, timeout=300,
+        first = _driver(cluster, storage, "rerun", 2, config, tmp_path, "first")
+        wait_until(lambda: first.running() and _steps_recorded(record, 0) >= 12, timeout=300,
                    what="the first driver's run to train 12 steps")
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        first.kill()
         # Ray stops a dead driver's actors; the run must not go on writing behind the new driver's back.
         old_workers = [a["pid"] for rank in (0, 1) for a in trainlib.read_attempts(str(record), rank)]
         wait_until(lambda: not any(_alive(pid) for pid in old_workers), timeout=120,
                    what="the dead driver's workers to stop")
         newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "rerun")) if c.complete][-1]
         assert newest.step >= 5
-        second = _driver(cluster, record, storage, "rerun", 2, config, tmp_path)
-        output, _ = second.communicate(timeout=600)
-    assert second.returncode == 0, output[-5000:]
+        second = _driver(cluster, storage, "rerun", 2, config, tmp_path, "second")
+        second.wait(timeout=600)
     attempts = trainlib.read_attempts(str(record))
     assert [a["restored_step"] for a in attempts] == [0, newest.step]
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
@@ -190,23 +185,21 @@ def test_a_second_driver_of_the_same_run_is_refused_at_once_and_the_first_run_lo
     job = {"samples": 1920, "epochs": 1, "step_seconds": 1.0}  # 60 steps of 1 s: outlives the second's start
     with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
         cluster.add_node(cpus=4)
-        first = _driver(cluster, first_record, storage, "shared", 2, trainlib.job_config(first_record, **job), tmp_path)
-        wait_until(lambda: first.poll() is None and _steps_recorded(first_record, 0) >= 6, timeout=300,
+        first = _driver(cluster, storage, "shared", 2, trainlib.job_config(first_record, **job), tmp_path, "first")
+        wait_until(lambda: first.running() and _steps_recorded(first_record, 0) >= 6, timeout=300,
                    what="the first driver's run to train 6 steps")
-        second = _driver(cluster, second_record, storage, "shared", 2, trainlib.job_config(second_record, **job),
-                         tmp_path)
-        second_output, _ = second.communicate(timeout=300)
-        assert first.poll() is None, "the first run ended before the second was refused: lengthen it"
-        first_output, _ = first.communicate(timeout=600)
-    assert second.returncode != 0
+        second = _driver(cluster, storage, "shared", 2, trainlib.job_config(second_record, **job), tmp_path, "second")
+        with pytest.raises(DriverError):
+            second.wait(timeout=300)
+        assert first.running(), "the first run ended before the second was refused: lengthen it"
+        final = first.wait(timeout=600)["checkpoint"]
+    second_output = second.output()
     assert "RunLeaseHeldError" in second_output and "another driver runs this run name" in second_output
     assert trainlib.read_attempts(str(second_record)) == []  # refused before it trained or wrote anything
-    assert first.returncode == 0, first_output[-5000:]
     assert [a["restored_step"] for a in trainlib.read_attempts(str(first_record))] == [0]
     kept = trainlib.kept_global_batches(str(first_record))
     assert [kept[step] for step in sorted(kept)] == planned_global_batches(1920, trainlib.JOB["global_batch"],
                                                                            trainlib.JOB["seed"], 1)
-    final = first_output.split("FINAL ", 1)[1].split()[0]
     complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "shared")) if c.complete]
     assert complete[-1].path == final and complete[-1].step == 60
 

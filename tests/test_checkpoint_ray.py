@@ -22,8 +22,13 @@ def test_uninterrupted_run_registers_complete_checkpoints_and_keeps_num_to_keep(
     restored = [a["restored_step"] for a in trainlib.read_attempts(str(reference["record"]))]
     assert restored == [0], f"the reference run was restarted (attempts restored steps {restored})"
     assert result.metrics["checkpoint_failed_saves"] == 0, f"the reference run failed saves: {result.metrics}"
-    # num_to_keep=2 of 5, 10, 15, 20, 24
-    assert [c.step for c in checkpoints] == [20, 24], f"{checkpoints}; final metrics {result.metrics}"
+    # num_to_keep=2 of 5, 10, 15, 20, 24; a save due while both staging sets were still being
+    # written (a loaded machine) is deferred to the next step, so the 20th may land on 21-23.
+    steps = [c.step for c in checkpoints]
+    if result.metrics["checkpoint_deferred_saves"] == 0:
+        assert steps == [20, 24], f"{checkpoints}; final metrics {result.metrics}"
+    else:
+        assert len(steps) == 2 and 20 <= steps[0] < 24 and steps[1] == 24, f"{checkpoints}; {result.metrics}"
     assert all(c.complete for c in checkpoints)
     assert result.checkpoint.path == checkpoints[-1].path
     assert result.metrics["step"] == 24 and result.metrics["checkpoint_failed_saves"] == 0
@@ -85,7 +90,7 @@ def test_a_train_function_that_never_restores_is_stopped_before_it_saves(tmp_pat
     storage = tmp_path / "storage"
     with pytest.raises(TrainingFailedError) as failure:
         trainlib.run_job(trainlib.no_restore_fn, {}, str(storage), "unrestored", max_failures=0)
-    assert "call CheckpointManager.restore() before the first step" in str(failure.value)
+    assert "call Checkpointer.restore() before the first step" in str(failure.value)
     assert list_checkpoints(pafs.LocalFileSystem(), str(storage / "unrestored")) == []
 
 

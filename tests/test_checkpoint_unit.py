@@ -175,3 +175,35 @@ def test_replicated_tensors_are_dealt_to_ranks_disjointly_and_completely():
     assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == {"a", "b.c", "b.d", "e"}
     assert owned == [{"a", "e"}, {"b.c", "b.d"}]  # 440 bytes each: dealt largest first, by size
     assert all(share["b"]["n"] == 3 for share in shares)  # non-tensors stay everywhere (DCP dedups them)
+
+
+@pytest.mark.parametrize("interval, mtbf_s, preemption_check_steps, error", [
+    (0, None, 10, "interval_steps must be an int >= 1"),
+    ("hourly", None, 10, "interval_steps must be an int >= 1"),
+    ("auto", None, 10, "needs the job's mtbf_s"),
+    (5, None, 0, "preemption_check_steps must be >= 1"),
+])
+def test_a_save_policy_refuses_settings_it_cannot_follow(interval, mtbf_s, preemption_check_steps, error):
+    from ray_resilient.checkpoint.save_policy import SavePolicy
+
+    with pytest.raises(ValueError, match=error):
+        SavePolicy(interval, mtbf_s=mtbf_s, preemption_check_steps=preemption_check_steps)
+
+
+def test_a_fixed_interval_saves_at_its_multiples_and_auto_follows_dalys_interval_after_each_save():
+    from ray_resilient.checkpoint.save_policy import AUTO_FIRST_STEPS, SavePolicy
+    from ray_resilient.goodput.planner import interval_steps_for
+
+    fixed = SavePolicy(5)
+    fixed.restored(7)
+    assert [step for step in range(8, 21) if fixed.due(step)] == [10, 15, 20]
+
+    auto = SavePolicy("auto", mtbf_s=600.0)
+    auto.restored(30)  # a restored run counts its first interval from the restored step
+    assert [step for step in range(31, 31 + AUTO_FIRST_STEPS) if auto.due(step)] == [30 + AUTO_FIRST_STEPS]
+    for _ in range(AUTO_FIRST_STEPS):
+        auto.step_finished(0.2)
+    auto.saved(40, stall_s=0.05, durable_s=0.5, group=None)
+    expected = interval_steps_for(600.0, 0.05, 0.2, 0.5)
+    assert expected != AUTO_FIRST_STEPS and auto.interval_steps == expected
+    assert not auto.due(40 + expected - 1) and auto.due(40 + expected)

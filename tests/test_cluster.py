@@ -4,6 +4,8 @@ jobs/train_images.py with a worker killed, checkpoints on S3 and metrics in MLfl
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from ray_resilient.testing import free_port
 
 REPO = Path(__file__).parent.parent
 CLUSTER = REPO / "cluster"
@@ -35,12 +39,19 @@ def job_args(command: str) -> list[str]:
     return words[at + 1:]
 
 
+@functools.cache
+def job_script():
+    """jobs/train_images.py, the script under test, loaded from its file (jobs/ is no library)."""
+    spec = importlib.util.spec_from_file_location("train_images", REPO / JOB)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parse_job_args(args: list[str]):
     """The job's own parser on ``args`` (fails the test on an unknown or invalid option)."""
-    import train_images  # jobs/ is on sys.path (conftest)
-
     try:
-        return train_images.parse_args(args)
+        return job_script().parse_args(args)
     except SystemExit as exit:
         pytest.fail(f"jobs/train_images.py rejects {shlex.join(args)} (exit {exit.code})")
 
@@ -177,7 +188,7 @@ def test_local_sh_example_takes_the_jobs_options(tmp_path):
 def test_local_sh_without_a_cluster(tmp_path):
     env = clean_env(RAY_RESILIENT_CLUSTER_DIR=str(tmp_path / "state"), RAY_RESILIENT_RAY_PORT=str(free_port()),
                     RAY_RESILIENT_DASHBOARD_PORT=str(free_port()), RAY_RESILIENT_CLIENT_PORT=str(free_port()),
-                    RAY_RESILIENT_AGENT_PORT=str(free_port()), RAY_RESILIENT_S3_PORT=str(free_port(with_offset=10000)))
+                    RAY_RESILIENT_AGENT_PORT=str(free_port()), RAY_RESILIENT_S3_PORT=str(free_port()))
     down = local_sh("down", env=env)
     assert down.returncode == 0 and "no local cluster" in down.stdout
     status = local_sh("status", env=env)
@@ -195,23 +206,6 @@ def test_local_sh_without_a_cluster(tmp_path):
 
 
 # --- cluster/local.sh end to end -------------------------------------------------------------------
-
-def free_port(*, with_offset: int = 0) -> int:
-    """A free port on 127.0.0.1 (and ``port + with_offset`` free too)."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if not with_offset:
-            return port
-        if port + with_offset < 65536:
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", port + with_offset))
-                    return port
-                except OSError:
-                    pass
-
 
 def process_tree(pids: list[int]) -> set[int]:
     """The processes of the process groups led by ``pids`` and all their descendants."""
@@ -265,7 +259,7 @@ def local_cluster_run(tmp_path_factory):
         "RAY_RESILIENT_CLUSTER_DIR": str(state), "RAY_RESILIENT_RAY_TEMP_DIR": ray_temp,
         "RAY_RESILIENT_RAY_PORT": str(free_port()), "RAY_RESILIENT_DASHBOARD_PORT": str(free_port()),
         "RAY_RESILIENT_CLIENT_PORT": str(free_port()), "RAY_RESILIENT_AGENT_PORT": str(free_port()),
-        "RAY_RESILIENT_S3_PORT": str(free_port(with_offset=10000)), "RAY_RESILIENT_MLFLOW_PORT": str(free_port()),
+        "RAY_RESILIENT_S3_PORT": str(free_port()), "RAY_RESILIENT_MLFLOW_PORT": str(free_port()),
     }
     env = clean_env(**settings)
     seen: dict = {"times": {}}

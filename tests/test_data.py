@@ -28,6 +28,7 @@ from ray_resilient.data import (
     CorruptSampleError,
     FileCache,
     SamplePlan,
+    StreamingConfig,
     Volume,
     VolumeDataLoader,
     VolumeError,
@@ -37,14 +38,16 @@ from ray_resilient.data import (
 from ray_resilient.data.dataset import read_bytes
 from ray_resilient.data.prefetch import Prefetcher
 from ray_resilient.data.s3_get import SignedGetReader
-from ray_resilient.data.volume import _s3_settings
+from ray_resilient.storage.uri import s3_settings
 
 GLOBAL_BATCH = 6  # the session's image_dir volume has 69 images: an uneven count
 
 
-def make_loader(volume: Volume, cache_dir, rank=0, world=1, workers=2, **options) -> VolumeDataLoader:
-    dataset = VolumeImageDataset(volume, str(cache_dir), global_batch=GLOBAL_BATCH, rank=rank, world_size=world,
-                                 seed=11, transform=default_transform(16), **options)
+def make_loader(volume: Volume, cache_dir, rank=0, world=1, workers=2, skip_corrupt=False,
+                **streaming) -> VolumeDataLoader:
+    dataset = VolumeImageDataset(volume, global_batch=GLOBAL_BATCH, rank=rank, world_size=world, seed=11,
+                                 transform=default_transform(16), skip_corrupt=skip_corrupt,
+                                 streaming=StreamingConfig(str(cache_dir), **streaming))
     return VolumeDataLoader(dataset, num_workers=workers)
 
 
@@ -333,9 +336,9 @@ def test_temporary_s3_credentials_from_the_environment_keep_their_session_token(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
     monkeypatch.setenv("AWS_SESSION_TOKEN", "env-token")
-    assert _s3_settings()[2:] == ("env-key", "env-secret", "env-token")
+    assert s3_settings()[2:] == ("env-key", "env-secret", "env-token")
     # explicit keys are not paired with another identity's token from the environment
-    assert _s3_settings(access_key="mine", secret_key="my-secret")[2:] == ("mine", "my-secret", None)
+    assert s3_settings(access_key="mine", secret_key="my-secret")[2:] == ("mine", "my-secret", None)
 
 
 # --- the exact position --------------------------------------------------------------------------
@@ -617,12 +620,27 @@ def test_unusable_cache_settings_are_refused(image_dir, tmp_path):
         make_loader(volume, tmp_path / "cache", workers=12)
 
 
+@pytest.mark.parametrize("bad, named", [
+    ({"cache_limit": -1}, "cache_limit must be a positive number of bytes, or None.*got -1"),
+    ({"cache_limit": 0}, "cache_limit must be a positive.*got 0"),
+    ({"prefetch_files": 0}, "prefetch_files must be a positive number of files; got 0"),
+    ({"prefetch_bytes": -5}, "prefetch_bytes must be a positive number of bytes; got -5"),
+    ({"prefetch_threads": 0}, "prefetch_threads must be a positive.*got 0"),
+    ({"prefetch_threads": 2.5}, "prefetch_threads must be a positive.*got 2.5"),
+    ({"cache_dir": ""}, "cache_dir is empty"),
+])
+def test_a_bad_streaming_value_is_refused_at_construction_naming_it(bad, named):
+    with pytest.raises(ValueError, match=named):
+        StreamingConfig(**bad)
+
+
 def test_loader_logs_fetch_seconds_and_cache_metrics_to_mlflow(image_dir, tmp_path):
     from ray_resilient.tracking import MlflowMetrics
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     volume = Volume(image_dir)
-    dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=GLOBAL_BATCH, seed=1)
+    dataset = VolumeImageDataset(volume, global_batch=GLOBAL_BATCH, seed=1,
+                                 streaming=StreamingConfig(str(tmp_path / "cache")))
     mlflow_metrics, reported = MlflowMetrics("data-run", tracking_uri=uri, prefix="data/"), []
 
     def log(metrics: dict[str, float], step: int) -> None:
@@ -648,7 +666,8 @@ def test_an_mlflow_outage_neither_blocks_nor_fails_the_loop(image_dir, tmp_path,
     port = closed.getsockname()[1]
     closed.close()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
-    dataset = VolumeImageDataset(Volume(image_dir), str(tmp_path / "cache"), global_batch=4, seed=1)
+    dataset = VolumeImageDataset(Volume(image_dir), global_batch=4, seed=1,
+                                 streaming=StreamingConfig(str(tmp_path / "cache")))
     loader = VolumeDataLoader(dataset, num_workers=0, log_every=1)
     batches = sum(1 for _ in loader)  # 17 batches, each logged, while the client is stuck retrying
     background = loader.metrics_logger
@@ -701,7 +720,7 @@ def test_fsspec_url_volume(image_dir, tmp_path):
             zipped.write(os.path.join(image_dir, file.path), f"shapes/{file.path}")
     volume = Volume(f"zip://shapes::file://{archive}")
     assert [f.path for f in volume.files] == [f.path for f in Volume(image_dir).files[:12]]
-    dataset = VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=4, seed=1)
+    dataset = VolumeImageDataset(volume, global_batch=4, seed=1, streaming=StreamingConfig(str(tmp_path / "cache")))
     ids = [i for b in VolumeDataLoader(dataset, num_workers=0) for i in b.sample_ids.tolist()]
     assert sorted(ids) == list(range(12))
     cached = [(tmp_path / "cache" / f.path).read_bytes() for f in volume.files]
@@ -710,15 +729,23 @@ def test_fsspec_url_volume(image_dir, tmp_path):
 
 def test_loader_logs_to_mlflow_on_rank_0_by_default(image_dir, tmp_path):
     volume = Volume(image_dir)
-    ranks = [VolumeDataLoader(VolumeImageDataset(volume, str(tmp_path / "cache"), global_batch=GLOBAL_BATCH, rank=r,
-                                                 world_size=2), num_workers=1) for r in range(2)]
-    assert ranks[0].metrics_logger == "mlflow" and ranks[1].metrics_logger is None
-    ranks[0].log_every = 5
-    list(ranks[0])  # 11 batches: logs twice, into the session's MLflow store (MLFLOW_TRACKING_URI)
+    streaming = StreamingConfig(str(tmp_path / "cache"))
+    ranks = [VolumeDataLoader(VolumeImageDataset(volume, global_batch=GLOBAL_BATCH, rank=r, world_size=2,
+                                                 streaming=streaming), num_workers=1) for r in range(2)]
     from ray_resilient.tracking import BackgroundMetrics, MlflowMetrics
 
     background = ranks[0].metrics_logger
-    assert isinstance(background, BackgroundMetrics) and background.flush(timeout=60)
+    assert isinstance(background, BackgroundMetrics) and ranks[1].metrics_logger is None
+    ranks[0].log_every = 5
+    list(ranks[0])  # 11 batches: logs twice, into the session's MLflow store (MLFLOW_TRACKING_URI)
+    assert background.flush(timeout=60)
     assert isinstance(background.logger, MlflowMetrics) and background.delivered == 2
     history = background.logger.client.get_metric_history(background.logger.run_id, "data/fetch_seconds")
     assert [m.step for m in history][-2:] == [5, 10]
+
+
+def test_a_misspelt_metrics_logger_is_refused_when_the_loader_is_built(image_dir, tmp_path):
+    dataset = VolumeImageDataset(Volume(image_dir), global_batch=GLOBAL_BATCH, rank=1, world_size=2,
+                                 streaming=StreamingConfig(str(tmp_path / "cache")))
+    with pytest.raises(ValueError, match="'mlflow', a callable .* got 'mlfow'"):
+        VolumeDataLoader(dataset, num_workers=0, metrics_logger="mlfow")

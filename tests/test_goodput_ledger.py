@@ -7,9 +7,10 @@ import json
 import pyarrow.fs as pafs
 import pytest
 
-from ray_resilient.goodput import LedgerWriter, account, measured_inputs, read_events
-from ray_resilient.goodput.ledger import FAN_IN
+from ray_resilient.goodput import account, measured_inputs, read_events
+from ray_resilient.goodput.ledger import FAN_IN, LedgerWriter
 from ray_resilient.goodput.report import render_report
+from ray_resilient.storage import RunStorage
 
 
 def write_run(filesystem: pafs.FileSystem, run_dir: str, local_dir: str) -> None:
@@ -17,7 +18,7 @@ def write_run(filesystem: pafs.FileSystem, run_dir: str, local_dir: str) -> None
     is killed. Attempt B restores step 2, recomputes 3-4, checkpoints 4; then the driver dies.
     Driver 2 starts at 20 s; attempt C restores step 4, trains step 5, saves it, finishes at 26 s."""
     def writer(rank: int = 0) -> LedgerWriter:
-        return LedgerWriter(filesystem, run_dir, rank, local_dir, upload_seconds=0.05)
+        return LedgerWriter(RunStorage(filesystem, run_dir, local_dir), rank, upload_seconds=0.05)
 
     driver = writer(rank=-1)
     driver.record("job_start", t=0.0)
@@ -89,7 +90,7 @@ def test_an_attempt_killed_before_its_restore_charges_no_kept_step_as_wasted(tmp
     fs, run_dir = pafs.LocalFileSystem(), str(tmp_path / "runs" / "r")
     t = 0.0
     for name, restored, last in (("A", 0, 25), ("B", None, None), ("C", 20, 27), ("D", 20, 72)):
-        ledger = LedgerWriter(fs, run_dir, 0, str(tmp_path / "spool"), upload_seconds=0.05)
+        ledger = LedgerWriter(RunStorage(fs, run_dir, str(tmp_path / "spool")), 0, upload_seconds=0.05)
         t += 1
         ledger.record("attempt_start", t=t, world_size=2)
         if restored is not None:
@@ -123,7 +124,7 @@ def test_an_upload_to_slow_storage_never_holds_up_record(tmp_path):
             return super()._open(path, mode, **kwargs)
 
     fs = pafs.PyFileSystem(pafs.FSSpecHandler(HangingUploads()))
-    ledger = LedgerWriter(fs, str(tmp_path / "runs" / "r"), 0, str(tmp_path / "spool"), upload_seconds=3600)
+    ledger = LedgerWriter(RunStorage(fs, str(tmp_path / "runs" / "r"), str(tmp_path / "spool")), 0, upload_seconds=3600)
     ledger.record("attempt_start", world_size=1)
     uploading = threading.Thread(target=ledger.flush)
     uploading.start()
@@ -175,7 +176,7 @@ def test_a_days_uploads_are_compacted_so_a_restore_reads_few_objects_and_every_e
     process keeps a few dozen objects instead of 43,200, and reading them gives every event once, in
     order, also after a crash between a merge and its deletes left merged pieces behind."""
     fs = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())  # remote to the ledger
-    writer = LedgerWriter(fs, "run", rank=0, local_dir=str(tmp_path / "spool"), upload_seconds=3600)
+    writer = LedgerWriter(RunStorage(fs, "run", str(tmp_path / "spool")), rank=0, upload_seconds=3600)
     uploads = 43_200
     for step in range(uploads):
         writer.record("step", t=float(step), step=step, t_start=step - 0.5, data_wait=0.0)
@@ -256,3 +257,13 @@ def test_plan_from_run_takes_the_measured_costs_and_options_override_them(local_
     assert result["recommended_interval_steps"] == round(daly_interval(0.5, 3 * 3600) / 1.0)
     assert main(["goodput", "plan", "--mtbf-hours", "3", "--from-run", local_run, "--restart", "1m", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["restart_s"] == 60
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_misspelt_goodput_logger_is_refused_at_construction_on_every_rank(tmp_path, rank):
+    from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
+
+    storage = RunStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
+    with pytest.raises(ValueError, match="'mlflow', a callable .* got 'mlfow'"):
+        GoodputRecorder(storage, rank, world_size=2, metrics_logger="mlfow")
+    assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from ray_resilient.cli import main
-from ray_resilient.goodput import (
+from ray_resilient.goodput.planner import (
     MeasuredInputs,
     daly_interval,
     expected_goodput,

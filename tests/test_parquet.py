@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from torchvision.io import encode_jpeg
 
 from make_image_volume import make_image
-from ray_resilient.data import ParquetVolumeDataset, Volume, VolumeDataLoader
+from ray_resilient.data import PARQUET_STREAMING, ParquetVolumeDataset, Volume, VolumeDataLoader
 
 ROWS = [9, 14, 11, 12, 10, 15, 13]  # 7 files, 84 rows
 
@@ -30,8 +31,9 @@ def parquet_dir(tmp_path_factory) -> str:
 
 def loaders(parquet_dir, cache, world: int, workers: int) -> list[VolumeDataLoader]:
     volume = Volume(parquet_dir, extensions=(".parquet",), image_folder=False)
-    return [VolumeDataLoader(ParquetVolumeDataset(volume, str(cache), global_batch=4, rank=r, world_size=world,
-                                                  num_workers=workers, seed=2, shuffle_window=6),
+    streaming = dataclasses.replace(PARQUET_STREAMING, cache_dir=str(cache))
+    return [VolumeDataLoader(ParquetVolumeDataset(volume, global_batch=4, rank=r, world_size=world,
+                                                  num_workers=workers, seed=2, shuffle_window=6, streaming=streaming),
                              num_workers=workers) for r in range(world)]
 
 

@@ -102,7 +102,7 @@ def test_a_write_slower_than_the_interval_lets_the_next_save_stage_without_waiti
         writer.save(state, step, checkpoint_dir_name(step, 0))  # returns while step 10 is still being written
         train_step(components.model, components.optimizer)
     assert faults.held.wait(60) and writer.finished() == 0 and writer.in_flight == 2
-    assert not writer.can_stage  # a third save would have to wait: the manager defers it
+    assert not writer.can_stage  # a third save would have to wait: the checkpointer defers it
     faults.release.set()
     assert [r.ok for r in writer.collect()] == [True, True]
     writer.close()

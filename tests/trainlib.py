@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 
 from train_ddp import CLASSES, FEATURES, SyntheticBatches
 
-from ray_resilient import CheckpointManager, spare_workers
+from ray_resilient import Checkpointer, spare_workers
 
 
 JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # train_fn: 24 steps
@@ -159,7 +159,7 @@ def train_fn(config: dict[str, Any]) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
     data = SyntheticBatches(config["samples"], config["global_batch"], seed, rank, world)
     loss = torch.zeros(())
-    with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
+    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
                            mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
                            goodput_log_every=config.get("goodput_log_every", 50)) as ckpt:
         registered = ray.train.get_checkpoint()
@@ -222,7 +222,7 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     counter = Counter()
-    with CheckpointManager(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
+    with Checkpointer(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
                            extras={"counter": counter}, interval_steps=3, seed=config["seed"]) as ckpt:
         ckpt.restore()  # saving: finds nothing, starts fresh
         if saving:
@@ -277,7 +277,7 @@ def no_restore_fn(config: dict[str, Any]) -> None:
     """A train function that forgets ``restore()`` and saves at every step."""
     model = prepare_model(build_model(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with CheckpointManager(model, optimizer, interval_steps=1) as ckpt:
+    with Checkpointer(model, optimizer, interval_steps=1) as ckpt:
         ckpt.step_completed(0)
 
 
@@ -287,7 +287,7 @@ def preemption_fn(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     model = prepare_model(build_model(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with CheckpointManager(model, optimizer, interval_steps=10**6, preemption_check_steps=5) as ckpt:
+    with Checkpointer(model, optimizer, interval_steps=10**6, preemption_check_steps=5) as ckpt:
         ckpt.restore()
         steps_after = None
         for step in range(config["max_steps"]):
@@ -300,7 +300,7 @@ def preemption_fn(config: dict[str, Any]) -> None:
             if ctx.get_world_rank() == 0:
                 with open(config["progress"], "w") as out:
                     json.dump({"node_id": ray.get_runtime_context().get_node_id(), "step": step}, out)
-            if ckpt.saved_for_preemption:
+            if ckpt.policy.saved_for_preemption:
                 steps_after = 0 if steps_after is None else steps_after + 1
                 if steps_after == 5:
                     break
@@ -310,18 +310,19 @@ def preemption_fn(config: dict[str, Any]) -> None:
 def image_train_fn(config: dict[str, Any]) -> None:
     """Train a linear classifier on the volume's JPEGs through VolumeDataLoader; the loader's
     position is the checkpoint's data slot. Records consumed sample ids like ``train_fn``."""
-    from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform
+    from ray_resilient.data import StreamingConfig, Volume, VolumeDataLoader, VolumeImageDataset, default_transform
 
     torch.use_deterministic_algorithms(True)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    dataset = VolumeImageDataset(Volume(config["volume"]), config["cache_dir"], global_batch=config["global_batch"],
-                                 rank=rank, world_size=world, seed=config["seed"], transform=default_transform(12))
+    dataset = VolumeImageDataset(Volume(config["volume"]), global_batch=config["global_batch"], rank=rank,
+                                 world_size=world, seed=config["seed"], transform=default_transform(12),
+                                 streaming=StreamingConfig(config["cache_dir"]))
     loader = VolumeDataLoader(dataset, num_workers=config["workers"])
     torch.manual_seed(config["seed"])
     model = prepare_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 12 * 12, 3)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with CheckpointManager(model, optimizer, data=loader, interval_steps=config["interval"], seed=config["seed"],
+    with Checkpointer(model, optimizer, data=loader, interval_steps=config["interval"], seed=config["seed"],
                            faults=config["faults"]) as ckpt:
         state = ckpt.restore()
         recorder = AttemptRecorder(config["record_dir"], state.step, None)

@@ -1,25 +1,24 @@
-"""Sharded asynchronous DCP checkpoints reported through Ray Train, with automatic resume."""
+"""Sharded asynchronous DCP checkpoints reported through Ray Train, with automatic resume.
 
-from ray_resilient.checkpoint.errors import UnrecoverableRunError
-from ray_resilient.checkpoint.layout import CheckpointDir, is_complete, list_checkpoints
-from ray_resilient.checkpoint.lease import RunLeaseHeldError, RunLeaseLostError
-from ray_resilient.checkpoint.manager import CheckpointManager, CheckpointSaveError
-from ray_resilient.checkpoint.restore import IncompatibleCheckpointError, NoLoadableCheckpointError
-from ray_resilient.checkpoint.state import ReshardableStateful, TrainState
-from ray_resilient.checkpoint.storage import CheckpointStorage
+The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+"""
 
-__all__ = [
-    "CheckpointDir",
-    "CheckpointManager",
-    "CheckpointSaveError",
-    "CheckpointStorage",
-    "IncompatibleCheckpointError",
-    "NoLoadableCheckpointError",
-    "ReshardableStateful",
-    "RunLeaseHeldError",
-    "RunLeaseLostError",
-    "TrainState",
-    "UnrecoverableRunError",
-    "is_complete",
-    "list_checkpoints",
-]
+from ray_resilient._lazy import lazy_exports
+
+_EXPORTS = {
+    "UnrecoverableRunError": "errors",
+    "CheckpointDir": "layout",
+    "is_complete": "layout",
+    "list_checkpoints": "layout",
+    "RunLeaseHeldError": "lease",
+    "RunLeaseLostError": "lease",
+    "Checkpointer": "checkpointer",
+    "CheckpointSaveError": "checkpointer",
+    "IncompatibleCheckpointError": "restore",
+    "NoLoadableCheckpointError": "restore",
+    "ReshardableStateful": "state",
+    "TrainState": "state",
+    "CheckpointStorage": "storage",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -58,13 +58,6 @@ class LeaseRecord:
         return f"Ray Train run {self.run_id} ({self.holder}, renewed {time.time() - self.renewed:.0f}s ago)"
 
 
-def ray_train_run_id() -> str:
-    """Ray Train's id of the current run: one per ``trainer.fit()``, the same in all its attempts."""
-    from ray.train.v2._internal.execution.context import get_train_context
-
-    return get_train_context().train_run_context.run_id
-
-
 class RunLease:
     """The lease of ``run_id`` on the run directory ``experiment_path`` (see the module docstring)."""
 

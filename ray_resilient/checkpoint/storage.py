@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,41 +22,15 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ray_resilient.checkpoint.layout import METADATA_FILE
-from ray_resilient.checkpoint.lease import ray_train_run_id
 from ray_resilient.checkpoint.safe_loading import read_metadata
+from ray_resilient.storage.run import RunStorage
 
 MAX_PARALLEL_UPLOADS = 8  # a rank's shard files (one per write thread) upload at once
 
 
-@dataclass(frozen=True)
-class CheckpointStorage:
-    """Where one run's checkpoints go.
-
-    Args:
-        filesystem: the storage filesystem (Ray's ``StorageContext.storage_filesystem``).
-        experiment_path: the run directory on it (``StorageContext.experiment_fs_path``).
-        local_dir: fast local disk for staging uploads to remote storage.
-    """
-
-    filesystem: pafs.FileSystem
-    experiment_path: str
-    local_dir: str
-
-    @classmethod
-    def from_ray_context(cls, local_dir: str | None = None) -> "CheckpointStorage":
-        """The storage of the current Ray Train run (call inside a train function)."""
-        import ray.train
-
-        storage = ray.train.get_context().get_storage()
-        # Per Ray Train run, not per run name: runs of the same name (another storage path, or
-        # another driver) on this node never share, or clear, each other's staged files.
-        default_local = os.path.join(tempfile.gettempdir(), "ray-resilient", ray_train_run_id())
-        return cls(storage.storage_filesystem, storage.experiment_fs_path, local_dir or default_local)
-
-    @property
-    def is_remote(self) -> bool:
-        """True unless the filesystem is the local one (remote writes are staged locally)."""
-        return not isinstance(self.filesystem, pafs.LocalFileSystem)
+class CheckpointStorage(RunStorage):
+    """Where one run's checkpoints go: its :class:`~ray_resilient.storage.RunStorage`, with the
+    checkpoint directories, local staging and uploads on it."""
 
     def checkpoint_path(self, name: str) -> str:
         return f"{self.experiment_path}/{name}"

@@ -4,7 +4,7 @@ A save stages the state into a free set of host buffers (:class:`~ray_resilient.
 and returns; one background thread writes the staged sets in save order. With two sets (the
 default) the next save stages while the previous one is still being written, so the loop does
 not wait for storage; only when every set is still being written can a save not start (the
-manager then defers it, see :class:`~ray_resilient.checkpoint.manager.CheckpointManager`).
+checkpointer then defers it, see :class:`~ray_resilient.checkpoint.checkpointer.Checkpointer`).
 A set is never staged into while its write is in flight: that would silently corrupt the
 checkpoint being written. Host memory: ``staging_buffers`` times this rank's share of the state.
 
@@ -20,8 +20,8 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -45,8 +45,10 @@ class SaveResult:
     path: str
     ok: bool
     stage_seconds: float
-    durable_seconds: float
+    durable_seconds: float  # from the start of the save (staging included) to every rank's files committed
     error: str | None = None
+    stall_seconds: float = 0.0  # how long the training loop stopped for it (set by the Checkpointer)
+    stall_phases: Mapping[str, float] = field(default_factory=dict)  # that stall by phase (Checkpointer)
 
 
 class _ShardWriter(FileSystemWriter):

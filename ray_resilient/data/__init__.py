@@ -1,35 +1,29 @@
-"""Stream, cache, shard and prefetch files from a remote volume, with an exact resumable position."""
+"""Stream, cache, shard and prefetch files from a remote volume, with an exact resumable position.
 
-from ray_resilient.data.cache import CacheStats, FileCache
-from ray_resilient.data.dataset import (
-    Batch,
-    CorruptSampleError,
-    StreamingVolumeDataset,
-    VolumeImageDataset,
-    default_cache_dir,
-    default_transform,
-    eval_transform,
-)
-from ray_resilient.data.loader import VolumeDataLoader, default_num_workers
-from ray_resilient.data.parquet import ParquetVolumeDataset
-from ray_resilient.data.plan import SamplePlan
-from ray_resilient.data.volume import Volume, VolumeError, VolumeFile
+The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+"""
 
-__all__ = [
-    "Batch",
-    "CacheStats",
-    "CorruptSampleError",
-    "FileCache",
-    "ParquetVolumeDataset",
-    "SamplePlan",
-    "StreamingVolumeDataset",
-    "Volume",
-    "VolumeDataLoader",
-    "VolumeError",
-    "VolumeFile",
-    "VolumeImageDataset",
-    "default_cache_dir",
-    "default_num_workers",
-    "default_transform",
-    "eval_transform",
-]
+from ray_resilient._lazy import lazy_exports
+
+_EXPORTS = {
+    "CacheStats": "cache",
+    "FileCache": "cache",
+    "StreamingConfig": "config",
+    "Batch": "dataset",
+    "CorruptSampleError": "dataset",
+    "StreamingVolumeDataset": "dataset",
+    "VolumeImageDataset": "dataset",
+    "default_cache_dir": "dataset",
+    "default_transform": "dataset",
+    "eval_transform": "dataset",
+    "VolumeDataLoader": "loader",
+    "default_num_workers": "loader",
+    "PARQUET_STREAMING": "parquet",
+    "ParquetVolumeDataset": "parquet",
+    "SamplePlan": "plan",
+    "Volume": "volume",
+    "VolumeError": "volume",
+    "VolumeFile": "volume",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

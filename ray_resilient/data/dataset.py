@@ -24,6 +24,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms import v2
 
 from ray_resilient.data.cache import CacheStats, FileCache
+from ray_resilient.data.config import StreamingConfig
 from ray_resilient.data.plan import SamplePlan, derive_seed, fingerprint
 from ray_resilient.data.prefetch import Prefetcher
 from ray_resilient.data.volume import Volume, VolumeError
@@ -109,14 +110,10 @@ class StreamingVolumeDataset(IterableDataset):
 
     Args:
         volume: the files (and labels).
-        cache_dir: local cache directory, shared by every process on the node (default:
-            :func:`default_cache_dir`, so a restarted job on the node finds its files).
         global_batch: samples per global batch (all ranks together).
         rank: this rank (Ray Train's world rank).
         seed: seeds the order of every epoch and every sample's augmentation.
-        cache_limit: bound on the cache's bytes (None: unbounded); must exceed the window.
-        prefetch_files, prefetch_bytes: each worker's prefetch window.
-        prefetch_threads: concurrent downloads per worker (latency hiding for remote volumes).
+        streaming: the cache directory and limit, and each worker's prefetch window.
         skip_corrupt: skip (and count) samples that fail to decode instead of raising.
         transform: applied to each decoded ``uint8`` CHW image; must give equal shapes
             (default: to float in [0, 1]).
@@ -125,30 +122,20 @@ class StreamingVolumeDataset(IterableDataset):
     def __init__(
         self,
         volume: Volume,
-        cache_dir: str | None = None,
         *,
         global_batch: int,
         rank: int,
         seed: int,
         transform: Callable[[torch.Tensor], torch.Tensor] | None,
-        cache_limit: int | None,
-        prefetch_files: int,
-        prefetch_bytes: int,
-        prefetch_threads: int,
+        streaming: StreamingConfig,
         skip_corrupt: bool,
     ):
         self.volume = volume
         self.global_batch, self.rank, self.seed = global_batch, rank, seed
         self.fingerprint = fingerprint(volume.listing())
-        if cache_limit is not None and cache_limit < prefetch_bytes:
-            raise ValueError(
-                f"cache_limit ({cache_limit} bytes) is smaller than the prefetch window ({prefetch_bytes} bytes): "
-                "raise cache_limit or lower prefetch_bytes"
-            )
-        self.cache_dir = cache_dir or default_cache_dir(volume)
-        self.cache_limit = cache_limit
-        FileCache(self.cache_dir, cache_limit)  # fail now on an unwritable directory, and clean up a crash
-        self.prefetch_files, self.prefetch_bytes, self.prefetch_threads = prefetch_files, prefetch_bytes, prefetch_threads
+        self.streaming = streaming
+        self.cache_dir = streaming.cache_dir if streaming.cache_dir is not None else default_cache_dir(volume)
+        FileCache(self.cache_dir, streaming.cache_limit)  # fail now on an unwritable directory, and clean up a crash
         self.skip_corrupt = skip_corrupt
         self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
         # (epoch, first batch) of the next iteration, set by the loader in the main process and
@@ -181,9 +168,10 @@ class StreamingVolumeDataset(IterableDataset):
 
     def _get_prefetcher(self) -> Prefetcher:
         if self._prefetcher is None:  # one per process, kept across epochs (persistent workers)
-            cache = FileCache(self.cache_dir, self.cache_limit)
-            self._prefetcher = Prefetcher(self.volume, cache, self.prefetch_threads, self.prefetch_files,
-                                          self.prefetch_bytes)
+            streaming = self.streaming
+            cache = FileCache(self.cache_dir, streaming.cache_limit)
+            self._prefetcher = Prefetcher(self.volume, cache, streaming.prefetch_threads, streaming.prefetch_files,
+                                          streaming.prefetch_bytes)
             if get_worker_info() is not None:
                 # A worker's heap is mostly what its imports made (torch, torchvision, pyarrow,
                 # botocore). A full collection traverses all of it holding the GIL, about 0.3 s
@@ -253,7 +241,6 @@ class VolumeImageDataset(StreamingVolumeDataset):
     def __init__(
         self,
         volume: Volume,
-        cache_dir: str | None = None,
         *,
         global_batch: int,
         rank: int = 0,
@@ -261,15 +248,11 @@ class VolumeImageDataset(StreamingVolumeDataset):
         seed: int = 0,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         drop_last: bool = True,
-        cache_limit: int | None = None,
-        prefetch_files: int = 64,
-        prefetch_bytes: int = 256 << 20,
-        prefetch_threads: int = 8,
+        streaming: StreamingConfig = StreamingConfig(),
         skip_corrupt: bool = False,
     ):
-        super().__init__(volume, cache_dir, global_batch=global_batch, rank=rank, seed=seed, transform=transform,
-                         cache_limit=cache_limit, prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes,
-                         prefetch_threads=prefetch_threads, skip_corrupt=skip_corrupt)
+        super().__init__(volume, global_batch=global_batch, rank=rank, seed=seed, transform=transform,
+                         streaming=streaming, skip_corrupt=skip_corrupt)
         self.plan = SamplePlan(len(volume.files), global_batch, world_size, seed, drop_last)
 
     def batches_per_epoch(self, epoch: int) -> int:

@@ -120,18 +120,10 @@ class DownloadProcess:
 
 
 def _child_command(fd: int) -> list[str]:
-    """The child's command line. It registers the two packages as bare modules first: their
-    ``__init__`` imports torch and Ray (seconds and about 1 GB), which downloading does not need."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    packages = {"ray_resilient": os.path.dirname(here), "ray_resilient.data": here}
-    code = (
-        "import sys, types\n"
-        f"for name, path in {packages!r}.items():\n"
-        "    sys.modules[name] = types.ModuleType(name)\n"
-        "    sys.modules[name].__path__ = [path]\n"
-        "from ray_resilient.data.download_process import serve\n"
-        f"serve({fd})\n"
-    )
+    """The child's command line: a fresh interpreter importing only this module's dependencies
+    (the package's lazy ``__init__`` imports neither torch nor Ray)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds ray_resilient/
+    code = f"import sys; sys.path.insert(0, {root!r}); from ray_resilient.data.download_process import serve; serve({fd})"
     return [sys.executable, "-c", code]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from ray_resilient.data.cache import CacheStats
 from ray_resilient.data.dataset import Batch, StreamingVolumeDataset
-from ray_resilient.tracking import BackgroundMetrics, MlflowMetrics, current_run_name
+from ray_resilient.tracking import MetricsLogger, resolve_metrics_logger
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,11 @@ class VolumeDataLoader(DataLoader):
         pin_memory: pin batches for fast host-to-GPU copies (default: when CUDA is available).
         persistent_workers: keep workers (and their prefetch windows and threads) across epochs.
         prefetch_factor: batches each worker prepares ahead.
-        metrics_logger: called with (metrics, batches so far) every ``log_every`` batches. The
-            default, ``"mlflow"``, logs on rank 0 to the MLflow run of the current Ray Train
-            run (:class:`ray_resilient.tracking.MlflowMetrics`, metric names prefixed ``data/``)
-            from a background thread, so an MLflow outage never blocks or fails the loop
-            (:class:`ray_resilient.tracking.BackgroundMetrics`); None logs nothing.
+        metrics_logger: called on rank 0 with (metrics, batches so far) every ``log_every``
+            batches: ``"mlflow"`` (the default: the MLflow run of the current Ray Train run,
+            metric names prefixed ``data/``, from a background thread, so an MLflow outage never
+            blocks or fails the loop), a callable, or None (see
+            :func:`ray_resilient.tracking.resolve_metrics_logger`).
         log_every: batches between two metrics_logger calls.
     """
 
@@ -79,7 +79,7 @@ class VolumeDataLoader(DataLoader):
         pin_memory: bool | None = None,
         persistent_workers: bool = True,
         prefetch_factor: int = 4,
-        metrics_logger: Callable[[dict[str, float], int], None] | str | None = "mlflow",
+        metrics_logger: MetricsLogger | str | None = "mlflow",
         log_every: int = 50,
         **kwargs: Any,
     ):
@@ -101,14 +101,19 @@ class VolumeDataLoader(DataLoader):
         self.epoch = 0
         self.batch = 0  # global batches of this epoch the training loop received
         self.metrics = LoaderMetrics()
-        if metrics_logger not in (None, "mlflow") and not callable(metrics_logger):
-            raise ValueError(f"metrics_logger must be a callable, 'mlflow' or None, got {metrics_logger!r}")
-        self.metrics_logger = None if metrics_logger == "mlflow" and dataset.rank != 0 else metrics_logger
+        self.metrics_logger = resolve_metrics_logger(metrics_logger, prefix="data/", name="data",
+                                                     enabled=dataset.rank == 0)
         self.log_every = log_every
 
     @property
     def volume_dataset(self) -> StreamingVolumeDataset:
         return self.dataset  # type: ignore[return-value]
+
+    @property
+    def fetch_seconds(self) -> float:
+        """Seconds the training loop has waited in ``next()`` so far (the checkpointer's
+        :class:`~ray_resilient.checkpoint.hooks.DataWaitSource`)."""
+        return self.metrics.fetch_seconds
 
     def __len__(self) -> int:
         return self.volume_dataset.batches_per_epoch(self.epoch) - self.batch
@@ -144,9 +149,6 @@ class VolumeDataLoader(DataLoader):
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
         if self.metrics_logger is not None and m.batches % self.log_every == 0:
-            if self.metrics_logger == "mlflow":  # opened on first use, on the delivery thread
-                run_name = current_run_name()
-                self.metrics_logger = BackgroundMetrics(lambda: MlflowMetrics(run_name, prefix="data/"), "data")
             self.metrics_logger(m.as_dict(), m.batches)
 
     # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------

@@ -23,12 +23,16 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from ray_resilient.data.config import StreamingConfig
 from ray_resilient.data.dataset import StreamingVolumeDataset, WorkerBatch
 from ray_resilient.data.plan import derive_seed
 from ray_resilient.data.prefetch import Prefetcher
 from ray_resilient.data.volume import Volume
 
 logger = logging.getLogger(__name__)
+
+# A Parquet file holds many samples: a few files make a window, downloaded by fewer threads.
+PARQUET_STREAMING = StreamingConfig(prefetch_files=4, prefetch_bytes=512 << 20, prefetch_threads=2)
 
 
 class ParquetPlan:
@@ -66,12 +70,13 @@ class ParquetVolumeDataset(StreamingVolumeDataset):
             plan deals files to ``world_size * num_workers`` slots, so it must be known here).
         image_column, label_column: the columns holding encoded image bytes and the label.
         shuffle_window: rows in each worker's shuffle buffer.
+        streaming: defaults to ``PARQUET_STREAMING``; change one knob with
+            ``dataclasses.replace(PARQUET_STREAMING, cache_limit=...)``.
     """
 
     def __init__(
         self,
         volume: Volume,
-        cache_dir: str | None = None,
         *,
         global_batch: int,
         rank: int = 0,
@@ -82,15 +87,11 @@ class ParquetVolumeDataset(StreamingVolumeDataset):
         label_column: str = "label",
         shuffle_window: int = 1024,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        cache_limit: int | None = None,
-        prefetch_files: int = 4,
-        prefetch_bytes: int = 512 << 20,
-        prefetch_threads: int = 2,
+        streaming: StreamingConfig = PARQUET_STREAMING,
         skip_corrupt: bool = False,
     ):
-        super().__init__(volume, cache_dir, global_batch=global_batch, rank=rank, seed=seed, transform=transform,
-                         cache_limit=cache_limit, prefetch_files=prefetch_files, prefetch_bytes=prefetch_bytes,
-                         prefetch_threads=prefetch_threads, skip_corrupt=skip_corrupt)
+        super().__init__(volume, global_batch=global_batch, rank=rank, seed=seed, transform=transform,
+                         streaming=streaming, skip_corrupt=skip_corrupt)
         if global_batch % world_size:
             raise ValueError(f"global batch size {global_batch} is not divisible by the world size {world_size}")
         self.world_size, self.num_workers = world_size, max(num_workers, 1)

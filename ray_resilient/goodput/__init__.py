@@ -1,42 +1,26 @@
-"""Goodput: a ledger of every second of a run across restarts, and a planner for the checkpoint interval."""
+"""Goodput: a ledger of every second of a run across restarts, and a planner for the checkpoint interval.
 
-from ray_resilient.goodput.accounting import Breakdown, account
-from ray_resilient.goodput.ledger import LedgerWriter, measured_inputs, read_events
-from ray_resilient.goodput.planner import (
-    FailureStats,
-    IntervalRow,
-    MeasuredInputs,
-    Plan,
-    daly_interval,
-    expected_goodput,
-    expected_lost_per_failure,
-    failure_stats,
-    interval_steps_for,
-    make_plan,
-    mtbf_from_annual_failure_rate,
-    parse_duration,
-    plan_from_measured,
-    young_interval,
-)
+The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+"""
 
-__all__ = [
-    "Breakdown",
-    "LedgerWriter",
-    "account",
-    "measured_inputs",
-    "read_events",
-    "FailureStats",
-    "IntervalRow",
-    "MeasuredInputs",
-    "Plan",
-    "daly_interval",
-    "expected_goodput",
-    "expected_lost_per_failure",
-    "failure_stats",
-    "interval_steps_for",
-    "make_plan",
-    "mtbf_from_annual_failure_rate",
-    "parse_duration",
-    "plan_from_measured",
-    "young_interval",
-]
+from ray_resilient._lazy import lazy_exports
+
+_EXPORTS = {
+    "Breakdown": "accounting",
+    "account": "accounting",
+    "EventKind": "events",
+    "load_events": "ledger",
+    "read_events": "ledger",
+    "MeasuredInputs": "planner",
+    "Plan": "planner",
+    "daly_interval": "planner",
+    "interval_steps_for": "planner",
+    "make_plan": "planner",
+    "measured_inputs": "planner",
+    "parse_duration": "planner",
+    "plan_from_measured": "planner",
+    "young_interval": "planner",
+    "render_report": "report",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ray_resilient.goodput.events import EventKind
+
 PARTS = ("productive", "wasted", "data_wait", "save_stall", "restore", "init_restart", "other")
 
 
@@ -34,7 +36,7 @@ PARTS = ("productive", "wasted", "data_wait", "save_stall", "restore", "init_res
 class Attempt:
     """One start of the workers: rank 0's events of it, in time order."""
 
-    id: str
+    process: str  # the ledger's id of the attempt's rank-0 process
     events: list[dict[str, Any]]
 
     @property
@@ -48,15 +50,16 @@ class Attempt:
     @property
     def restored_step(self) -> int | None:
         """The step it resumed from (0: a fresh start); None when it died before restoring."""
-        return next((e["step"] for e in self.events if e["kind"] == "restore"), None)
+        return next((e["step"] for e in self.events if e["kind"] == EventKind.RESTORE), None)
 
     @property
     def finished(self) -> bool:
-        return any(e["kind"] == "finish" for e in self.events)
+        return any(e["kind"] == EventKind.FINISH for e in self.events)
 
     def first_work(self) -> float:
         """When the attempt started restoring or training (its end if it never did)."""
-        return next((e["t_start"] for e in self.events if e["kind"] in ("restore", "step", "save")), self.end)
+        work = (EventKind.RESTORE, EventKind.STEP, EventKind.SAVE)
+        return next((e["t_start"] for e in self.events if e["kind"] in work), self.end)
 
 
 @dataclass
@@ -105,14 +108,14 @@ class Breakdown:
 
 def group_attempts(events: Iterable[Mapping[str, Any]]) -> tuple[list[Attempt], list[float]]:
     """Rank 0's events grouped into attempts (in start order), and the drivers' start times."""
-    by_attempt: dict[str, list[dict[str, Any]]] = {}
+    by_process: dict[str, list[dict[str, Any]]] = {}
     job_starts = []
     for event in events:
-        if event["kind"] == "job_start":
+        if event["kind"] == EventKind.JOB_START:
             job_starts.append(event["t"])
         elif event.get("rank", 0) == 0:
-            by_attempt.setdefault(event["attempt"], []).append(dict(event))
-    attempts = [Attempt(a, sorted(evs, key=lambda e: e["t"])) for a, evs in by_attempt.items()]
+            by_process.setdefault(event["process"], []).append(dict(event))
+    attempts = [Attempt(p, sorted(evs, key=lambda e: e["t"])) for p, evs in by_process.items()]
     return sorted(attempts, key=lambda a: a.start), sorted(job_starts)
 
 
@@ -141,7 +144,7 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
         save_started: dict[int, float] = {}
         for event in attempt.events:
             duration = event["t"] - event.get("t_start", event["t"])
-            if event["kind"] == "step":
+            if event["kind"] == EventKind.STEP:
                 if lost is not None and event["step"] > lost:
                     result.wasted += duration
                     result.steps_recomputed += 1
@@ -151,17 +154,17 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
                     result.data_wait += wait
                     result.steps_kept += 1
                     result.kept_step_seconds.append(duration - wait)
-            elif event["kind"] == "save":
+            elif event["kind"] == EventKind.SAVE:
                 result.save_stall += duration
                 result.save_stalls.append(duration)
                 save_started[event["step"]] = event["t_start"]
-            elif event["kind"] == "durable" and event["step"] in save_started:
+            elif event["kind"] == EventKind.DURABLE and event["step"] in save_started:
                 result.durable_latencies.append(event["t"] - save_started[event["step"]])
-            elif event["kind"] == "restore":
+            elif event["kind"] == EventKind.RESTORE:
                 result.restore += duration
                 if index > 0:
                     result.restarts.append(setup + duration)
-        if index > 0 and not any(e["kind"] == "restore" for e in attempt.events):
+        if index > 0 and not any(e["kind"] == EventKind.RESTORE for e in attempt.events):
             result.restarts.append(setup)
         if index + 1 < len(attempts) and not attempt.finished:
             result.failures += 1

@@ -1,15 +1,11 @@
 """The goodput ledger: an append-only event log of a run in its storage, across restarts and drivers.
 
-Each process that records writes its own file, ``<run dir>/goodput/<start ns>-rank<r>-<pid>.jsonl``,
-one JSON event per line with its wall-clock time ``t`` (``time.time()``, comparable across the
-nodes of a cluster with synchronized clocks) and ``kind``. Files are never rewritten, so nothing
-another attempt or driver wrote is lost. Rank 0 records the run's progress; other ranks only add
-what rank 0 cannot know (their own failures).
-
-Kinds: ``job_start`` (a driver called ``fit``), ``attempt_start`` (world size), ``restore``
-(``t_start``, restored ``step``), ``step`` (``step``, ``t_start``, ``data_wait``), ``save`` (the
-loop's stall: ``step``, ``t_start``), ``durable`` and ``registered`` (a checkpoint's ``step``),
-``failure`` (``error``), ``finish`` (``step``).
+Each process that records writes its own file, ``<run dir>/goodput/<process>.jsonl`` (the process
+id ``<start ns>-rank<r>-<pid>``), one JSON event per line with its wall-clock time ``t``
+(``time.time()``, comparable across the nodes of a cluster with synchronized clocks), ``kind``
+(an :class:`~ray_resilient.goodput.events.EventKind`), ``process`` and ``rank``. Files are never
+rewritten, so nothing another attempt or driver wrote is lost. Rank 0 records the run's progress;
+other ranks only add what rank 0 cannot know (their own failures).
 
 Writing costs the loop one buffered ``write`` per event: on local or mounted storage the file is
 appended in place (flushed every event, so a SIGKILL loses nothing); on remote storage (S3, GCS)
@@ -36,13 +32,12 @@ import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from statistics import median
 from typing import Any
 
 import pyarrow.fs as pafs
 
-from ray_resilient.goodput.accounting import account
-from ray_resilient.goodput.planner import MeasuredInputs
+from ray_resilient.goodput.events import EventKind
+from ray_resilient.storage.run import RunStorage
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +54,17 @@ def ledger_path(experiment_path: str) -> str:
 class LedgerWriter:
     """Appends this process's events to its file in the run's ledger."""
 
-    def __init__(self, filesystem: pafs.FileSystem, experiment_path: str, rank: int, local_dir: str,
-                 upload_seconds: float = 2.0):
+    def __init__(self, storage: RunStorage, rank: int, upload_seconds: float = 2.0):
         self.rank = rank
-        self.attempt = f"{time.time_ns()}-rank{rank}-{os.getpid()}"
-        self._filesystem, self._directory = filesystem, ledger_path(experiment_path)
-        self._remote = not isinstance(filesystem, pafs.LocalFileSystem)
-        filesystem.create_dir(self._directory)
+        self.process = f"{time.time_ns()}-rank{rank}-{os.getpid()}"
+        self._filesystem, self._directory = storage.filesystem, ledger_path(storage.experiment_path)
+        self._remote = storage.is_remote
+        self._filesystem.create_dir(self._directory)
         if self._remote:
-            os.makedirs(local_dir, exist_ok=True)
-            self._path = os.path.join(local_dir, f"ledger-{self.attempt}.jsonl")
+            os.makedirs(storage.local_dir, exist_ok=True)
+            self._path = os.path.join(storage.local_dir, f"ledger-{self.process}.jsonl")
         else:
-            self._path = f"{self._directory}/{self.attempt}.jsonl"
+            self._path = f"{self._directory}/{self.process}.jsonl"
         self._file = open(self._path, "a")
         self._lock = threading.Lock()  # the spool file, for record()
         self._upload_lock = threading.Lock()  # one upload at a time (the thread, flush(), close())
@@ -83,10 +77,10 @@ class LedgerWriter:
                                               name="ray_resilient_ledger_upload")
             self._uploader.start()
 
-    def record(self, kind: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
+    def record(self, kind: EventKind, t: float | None = None, **fields: Any) -> dict[str, Any]:
         """Append one event (time ``t``, default now); returns it."""
-        event = {"t": time.time() if t is None else t, "kind": kind, "attempt": self.attempt, "rank": self.rank,
-                 **fields}
+        event = {"t": time.time() if t is None else t, "kind": EventKind(kind).value, "process": self.process,
+                 "rank": self.rank, **fields}
         with self._lock:
             self._file.write(json.dumps(event) + "\n")
             self._file.flush()
@@ -115,7 +109,7 @@ class LedgerWriter:
                 logger.warning("goodput ledger upload failed (%s); retrying later", err)
 
     def _object_path(self, start: int, end: int) -> str:
-        return f"{self._directory}/{self.attempt}.jsonl.{start:012d}-{end:012d}"
+        return f"{self._directory}/{self.process}.jsonl.{start:012d}-{end:012d}"
 
     def _put(self, start: int, end: int, size_class: int) -> None:
         """Upload the spool's bytes [start, end) as one object."""
@@ -187,34 +181,11 @@ def _covering(paths: list[str]) -> list[str]:
     return sorted(chosen)
 
 
-def run_storage(run_dir: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path) of a run directory given as a local path or URI (``s3://...``)."""
-    from ray_resilient.data.volume import open_filesystem
-
-    return open_filesystem(run_dir)
-
-
 def load_events(run_dir: str) -> list[dict[str, Any]]:
     """Every ledger event of the run at ``run_dir`` (a path or URI); ValueError for a run without a ledger."""
-    filesystem, path = run_storage(run_dir)
-    events = read_events(filesystem, path)
+    storage = RunStorage.from_uri(run_dir)
+    events = read_events(storage.filesystem, storage.experiment_path)
     if not events:
-        raise ValueError(f"{run_dir} has no goodput ledger ({ledger_path(path)} is missing or empty): "
-                         "pass the run directory <storage_path>/<run name> of a ray_resilient run")
+        raise ValueError(f"{run_dir} has no goodput ledger ({ledger_path(storage.experiment_path)} is missing or "
+                         "empty): pass the run directory <storage_path>/<run name> of a ray_resilient run")
     return events
-
-
-def measured_inputs(run_dir: str) -> MeasuredInputs:
-    """The planner's inputs measured by a run: median save stall, restart, kept step time and
-    time from a save's start to durable.
-
-    The restart is the whole cost of one: from the failed attempt's last event to the restored
-    attempt's first step (detection, new workers, restore).
-    """
-    breakdown = account(load_events(run_dir))
-    return MeasuredInputs(
-        save_stall_s=median(breakdown.save_stalls) if breakdown.save_stalls else None,
-        restart_s=median(breakdown.restarts) if breakdown.restarts else None,
-        step_s=median(breakdown.kept_step_seconds) if breakdown.kept_step_seconds else None,
-        durable_latency_s=median(breakdown.durable_latencies) if breakdown.durable_latencies else None,
-    )

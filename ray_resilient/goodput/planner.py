@@ -40,6 +40,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from statistics import median
+
+from ray_resilient.goodput.accounting import account
+from ray_resilient.goodput.ledger import load_events
 
 SECONDS_PER_DAY = 86400.0
 SECONDS_PER_YEAR = 365 * SECONDS_PER_DAY
@@ -290,4 +294,20 @@ def plan_from_measured(
         interval_s=interval_s,
         step_s=measured.step_s,
         durable_latency_s=0.0 if measured.durable_latency_s is None else measured.durable_latency_s,
+    )
+
+
+def measured_inputs(run_dir: str) -> MeasuredInputs:
+    """The planner's inputs measured by the run at ``run_dir`` (a path or URI): median save stall,
+    restart, kept step time and time from a save's start to durable.
+
+    The restart is the whole cost of one: from the failed attempt's last event to the restored
+    attempt's first step (detection, new workers, restore).
+    """
+    breakdown = account(load_events(run_dir))
+    return MeasuredInputs(
+        save_stall_s=median(breakdown.save_stalls) if breakdown.save_stalls else None,
+        restart_s=median(breakdown.restarts) if breakdown.restarts else None,
+        step_s=median(breakdown.kept_step_seconds) if breakdown.kept_step_seconds else None,
+        durable_latency_s=median(breakdown.durable_latencies) if breakdown.durable_latencies else None,
     )

@@ -1,16 +1,14 @@
-"""The goodput report of a run: its breakdown as a table, and a PNG timeline."""
+"""Goodput as people read it: a run's breakdown as a table and a PNG timeline, and a plan as text."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Any
 
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
-
 from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts, lost_after
+from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import load_events
+from ray_resilient.goodput.planner import SECONDS_PER_DAY, Plan
 
 NOTES = (
     "wasted: steps lost to a failure and computed again (a later attempt restored an older checkpoint)",
@@ -68,7 +66,7 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
         bars[lane]["init"].append((boundary - start, max(0.0, attempt.first_work() - boundary)))
         for event in attempt.events:
             t0, duration = event.get("t_start", event["t"]) - start, event["t"] - event.get("t_start", event["t"])
-            if event["kind"] == "step":
+            if event["kind"] == EventKind.STEP:
                 if lost is not None and event["step"] > lost:
                     bars[lane]["wasted"].append((t0, duration))
                 else:
@@ -76,17 +74,21 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
                     if wait > 0:
                         bars[lane]["data_wait"].append((t0, wait))
                     bars[lane]["kept"].append((t0 + wait, duration - wait))
-            elif event["kind"] in ("restore", "save"):
+            elif event["kind"] in (EventKind.RESTORE, EventKind.SAVE):
                 bars[lane][event["kind"]].append((t0, duration))
-            elif event["kind"] in ("durable", "registered"):
+            elif event["kind"] in (EventKind.DURABLE, EventKind.REGISTERED):
                 marks[event["kind"]].append((t0, lane))
         if lane + 1 < len(attempts) and not attempt.finished:
             marks["failure"].append((attempt.end - start, lane))
         boundary = attempt.end
     for event in events:  # any rank's: placed in the lane of the attempt running at the time
-        if event["kind"] == "failure" and attempts:
+        if event["kind"] == EventKind.FAILURE and attempts:
             lane = max([i for i, a in enumerate(attempts) if a.start <= event["t"]], default=0)
             marks["failure"].append((event["t"] - start, lane))
+
+    from matplotlib.figure import Figure  # the timeline's dependency alone
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     figure = Figure(figsize=(14, 1.8 + 0.6 * max(1, len(attempts))), dpi=120, layout="constrained")
     axes = figure.add_subplot()
@@ -122,6 +124,88 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
 
 
 def _lane_label(index: int, attempt: Attempt) -> str:
-    world_size = next((e.get("world_size", "?") for e in attempt.events if e["kind"] == "attempt_start"), "?")
+    world_size = next((e.get("world_size", "?") for e in attempt.events if e["kind"] == EventKind.ATTEMPT_START), "?")
     start = "died before restoring" if attempt.restored_step is None else f"from step {attempt.restored_step}"
     return f"attempt {index + 1}\nworld size {world_size}, {start}"
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` in the largest unit it reaches (``45s``, ``1.5h``), to 3 significant digits."""
+    for unit, size in (("d", SECONDS_PER_DAY), ("h", 3600.0), ("m", 60.0), ("s", 1.0)):
+        if seconds >= size:
+            break
+    value = seconds / size
+    return f"{value:.3g}{unit}" if value < 1000 else f"{value:.0f}{unit}"
+
+
+def format_plan(plan: Plan, source: str) -> str:
+    """A human-readable report of ``plan``; ``source`` says where the failure rate came from."""
+    failures = [
+        ("job MTBF", f"{format_duration(plan.mtbf_s)}  ({source})"),
+        ("failures per day", f"{plan.failures_per_day:.3g}"),
+    ]
+    if plan.run_s is not None:
+        days = format_duration(plan.run_s)
+        failures += [
+            (f"P(at least one failure) in {days}", f"{plan.p_any_failure:.1%}"),
+            (f"expected failures in {days}", f"{plan.expected_failures:.3g}"),
+        ]
+    lines = ["Failures", *_rows(*failures)]
+    if plan.run_s is None:
+        lines.append("  (pass --days for the failures over the run)")
+
+    def known(seconds: float | None) -> str:
+        return "unknown" if seconds is None else format_duration(seconds)
+
+    lines += ["", "Costs"]
+    lines += _rows(
+        ("save stall", known(plan.save_stall_s)),
+        ("restart", format_duration(plan.restart_s)),
+        ("durable latency", format_duration(plan.durable_latency_s)),
+        ("step time", known(plan.step_s)),
+    )
+    if plan.save_stall_s is None:
+        lines += ["", "(pass --save-stall or --from-run for the optimal interval and goodput)"]
+        return "\n".join(lines)
+
+    recommended = format_duration(plan.recommended_interval_s)
+    if plan.recommended_interval_steps is not None:
+        recommended += f" = {plan.recommended_interval_steps} steps"
+    lines += ["", "Optimal interval"]
+    lines += _rows(
+        ("Young sqrt(2*S*M)", format_duration(plan.young_interval_s)),
+        ("Daly (2006)", format_duration(plan.daly_interval_s)),
+        ("goodput at Daly's", f"{plan.optimal_goodput:.1%}"),
+        ("recommended", recommended),
+    )
+    if plan.interval_s is not None:
+        lines += ["", f"At the given interval ({format_duration(plan.interval_s)})"]
+        lines += _rows(
+            ("lost work per failure", format_duration(plan.lost_per_failure_s)),
+            ("lost work per day", format_duration(plan.lost_per_day_s)),
+            ("goodput", f"{plan.goodput:.1%}"),
+        )
+
+    steps = plan.step_s is not None
+    table = [["interval", *(["steps"] if steps else []), "lost/failure", "lost/day", "goodput", ""]]
+    for row in plan.table:
+        table.append([
+            format_duration(row.interval_s),
+            *([f"{row.interval_s / plan.step_s:.0f}"] if steps else []),
+            format_duration(row.lost_per_failure_s),
+            format_duration(row.lost_per_day_s),
+            f"{row.goodput:.1%}",
+            row.label,
+        ])
+    widths = [max(len(cells[i]) for cells in table) for i in range(len(table[0]))]
+    lines.append("")
+    for cells in table:
+        numbers = [cell.rjust(width) for cell, width in zip(cells[:-1], widths)]
+        lines.append("  " + "  ".join([*numbers, cells[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def _rows(*pairs: tuple[str, str]) -> list[str]:
+    """``label  value`` lines with the values aligned."""
+    width = max(len(label) for label, _ in pairs)
+    return [f"  {label.ljust(width)}  {value}" for label, value in pairs]

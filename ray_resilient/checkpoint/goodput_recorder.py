@@ -1,4 +1,4 @@
-"""What the checkpoint manager records into the ledger, and the live goodput it logs to MLflow.
+"""What the checkpointer records into the goodput ledger, and the live goodput it logs to MLflow.
 
 Rank 0 records the attempt, its restore, every step and save; other ranks only their failures.
 On rank 0 the breakdown is kept up to date as the loop runs: at the restore the earlier attempts'
@@ -12,10 +12,11 @@ import copy
 import time
 from collections import deque
 
-from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.goodput.accounting import PARTS, Breakdown, account
+from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter, read_events
-from ray_resilient.tracking import BackgroundMetrics, MetricsLogger
+from ray_resilient.storage.run import RunStorage
+from ray_resilient.tracking import BackgroundMetrics, MetricsLogger, resolve_metrics_logger
 
 FINAL_METRICS_WAIT_S = 10.0  # close() waits this long for the final goodput figures to reach MLflow
 
@@ -27,29 +28,31 @@ class GoodputRecorder:
         storage: the run's storage (the ledger lives in its run directory).
         rank, world_size: this worker's.
         log_every: steps between two calls of ``metrics_logger`` (rank 0).
-        metrics_logger: called with (goodput metrics, step); the default logs to the MLflow run
-            of the current Ray Train run from a background thread (never blocking or failing
-            the loop, :class:`~ray_resilient.tracking.BackgroundMetrics`); None logs nothing.
+        metrics_logger: ``"mlflow"``, a callable ``(goodput metrics, step)`` or None (see
+            :func:`~ray_resilient.tracking.resolve_metrics_logger`); MLflow is logged to from a
+            background thread, never blocking or failing the loop.
         window: steps of the rolling goodput.
     """
 
-    def __init__(self, storage: CheckpointStorage, rank: int, world_size: int, *, log_every: int = 50,
+    def __init__(self, storage: RunStorage, rank: int, world_size: int, *, log_every: int = 50,
                  metrics_logger: MetricsLogger | str | None = "mlflow", window: int = 100):
         self.rank = rank
         self._storage = storage
-        self._writer = LedgerWriter(storage.filesystem, storage.experiment_path, rank, storage.local_dir)
-        self._log_every, self._metrics_logger = log_every, metrics_logger if rank == 0 else None
+        self._log_every = log_every
+        self._metrics_logger = resolve_metrics_logger(metrics_logger, prefix="goodput/", name="goodput",
+                                                      enabled=rank == 0)
+        self._writer = LedgerWriter(storage, rank)
         self._live: Breakdown | None = None
         self._start = time.time()
         self._window: deque[tuple[float, float, float]] = deque(maxlen=window)  # (t_start, t_end, productive)
         if rank == 0:
-            self._writer.record("attempt_start", world_size=world_size)
+            self._writer.record(EventKind.ATTEMPT_START, world_size=world_size)
 
     def restored(self, t_start: float, step: int) -> None:
         """The restore (or the check that found nothing) ended now, at ``step``."""
         if self.rank != 0:
             return
-        self._writer.record("restore", t_start=t_start, step=step)
+        self._writer.record(EventKind.RESTORE, t_start=t_start, step=step)
         self._writer.flush()  # this attempt's own events count too
         events = read_events(self._storage.filesystem, self._storage.experiment_path)
         now = time.time()
@@ -59,7 +62,7 @@ class GoodputRecorder:
     def step(self, step: int, t_start: float, t_end: float, data_wait: float) -> None:
         if self.rank != 0:
             return
-        self._writer.record("step", t=t_end, step=step, t_start=t_start, data_wait=data_wait)
+        self._writer.record(EventKind.STEP, t=t_end, step=step, t_start=t_start, data_wait=data_wait)
         if self._live is not None:
             duration = t_end - t_start
             wait = min(data_wait, duration)
@@ -73,24 +76,24 @@ class GoodputRecorder:
     def save(self, step: int, t_start: float, t_end: float) -> None:
         if self.rank != 0:
             return
-        self._writer.record("save", t=t_end, step=step, t_start=t_start)
+        self._writer.record(EventKind.SAVE, t=t_end, step=step, t_start=t_start)
         if self._live is not None:
             self._live.save_stall += t_end - t_start
 
     def durable(self, step: int, t: float) -> None:
         if self.rank == 0:
-            self._writer.record("durable", t=t, step=step)
+            self._writer.record(EventKind.DURABLE, t=t, step=step)
 
     def registered(self, step: int) -> None:
         if self.rank == 0:
-            self._writer.record("registered", step=step)
+            self._writer.record(EventKind.REGISTERED, step=step)
 
     def failure(self, error: BaseException) -> None:
-        self._writer.record("failure", error=f"{type(error).__name__}: {error}"[:500])
+        self._writer.record(EventKind.FAILURE, error=f"{type(error).__name__}: {error}"[:500])
 
     def finished(self, step: int) -> None:
         if self.rank == 0:
-            self._writer.record("finish", step=step)
+            self._writer.record(EventKind.FINISH, step=step)
             if self._metrics_logger is not None and self._live is not None:
                 self._log(step)  # the final figures
 
@@ -115,11 +118,6 @@ class GoodputRecorder:
         return metrics
 
     def _log(self, step: int) -> None:
-        if self._metrics_logger == "mlflow":  # opened on first use, on the delivery thread
-            from ray_resilient.tracking import MlflowMetrics, current_run_name
-
-            run_name = current_run_name()
-            self._metrics_logger = BackgroundMetrics(lambda: MlflowMetrics(run_name, prefix="goodput/"), "goodput")
         self._metrics_logger(self.metrics(), step)
 
     def close(self) -> None:

@@ -14,26 +14,29 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# GCS health checks of the raylets (Ray's defaults: every 3 s, dead after 5 misses).
-FAST_NODE_FAILURE_DETECTION = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
-}
+from ray_resilient._ray_internals import FAST_NODE_FAILURE_DETECTION, NO_API_SERVER, alive_node_ids
+from ray_resilient.testing.ports import LOOPBACK, free_port, port_open
+from ray_resilient.testing.waiting import wait_until
+
 _POLL_SECONDS = 0.2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def gcs_alive_node_ids(gcs_address: str) -> list[str]:
+    """The ids of the nodes the GCS at ``host:port`` counts alive; empty while it does not listen yet
+    (a GCS client would wait half a minute for it)."""
+    host, port = gcs_address.rsplit(":", 1)
+    if not port_open(host, int(port)):
+        return []
+    return alive_node_ids(gcs_address)
+
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
 
 
 @dataclass
@@ -69,8 +72,9 @@ class LocalRayCluster:
 
     Token authentication is off (loopback only). Use as a context manager, or call
     :meth:`start` and :meth:`stop`. Keep ``temp_dir`` short: Ray's socket paths under it must
-    fit in 107 characters. ``env`` is the environment of every node and of drivers
-    that connect (:attr:`address`).
+    fit in 107 characters. ``env`` is the environment of every node and of drivers that connect
+    (:attr:`address`); without a dashboard it points Ray's state API nowhere
+    (:data:`ray_resilient._ray_internals.NO_API_SERVER`).
     """
 
     temp_dir: Path
@@ -80,7 +84,7 @@ class LocalRayCluster:
     address: str = ""
 
     def __post_init__(self) -> None:
-        self.env = {**self.env, **FAST_NODE_FAILURE_DETECTION, "RAY_AUTH_MODE": "disabled"}
+        self.env = {**self.env, **FAST_NODE_FAILURE_DETECTION, **NO_API_SERVER, "RAY_AUTH_MODE": "disabled"}
         self.env.pop("RAY_ADDRESS", None)
 
     def __enter__(self) -> "LocalRayCluster":
@@ -91,9 +95,10 @@ class LocalRayCluster:
         self.stop()
 
     def start(self, timeout: float = 60) -> None:
+        """Start the head node and wait until the GCS counts it alive."""
         self.temp_dir.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
-        self.address = f"127.0.0.1:{port}"
+        port = free_port()
+        self.address = f"{LOOPBACK}:{port}"
         self._start_node(timeout, "--head", f"--port={port}", f"--num-cpus={self.head_cpus}",
                          "--include-dashboard=false", f"--temp-dir={self.temp_dir}", "--disable-usage-stats")
 
@@ -103,45 +108,32 @@ class LocalRayCluster:
 
     def _start_node(self, timeout: float, *args: str, cpus: int | None = None) -> LocalNode:
         known = {n.node_id for n in self.nodes}
-        ray_cli = str(Path(sys.executable).with_name("ray"))
-        log = open(self.temp_dir / f"node-{len(self.nodes)}.log", "w")
-        process = subprocess.Popen([ray_cli, "start", "--block", "--node-ip-address=127.0.0.1", *args],
-                                   env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
+        log = self.temp_dir / f"node-{len(self.nodes)}.log"
+        with open(log, "w") as out:
+            process = subprocess.Popen([_ray_cli(), "start", "--block", f"--node-ip-address={LOOPBACK}", *args],
+                                       env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         node = LocalNode(process, self.head_cpus if cpus is None else cpus)
         self.nodes.append(node)
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def joined() -> bool:
             if process.poll() is not None:
-                raise RuntimeError(f"`ray start {' '.join(args)}` exited; see {log.name}")
-            new = [node_id for node_id in self._alive_node_ids() if node_id not in known]
-            if new:
-                node.node_id = new[0]
-                return node
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the node of `ray start {' '.join(args)}` did not join within {timeout}s")
-            time.sleep(_POLL_SECONDS)
+                raise RuntimeError(f"`ray start {' '.join(args)}` exited; see {log}")
+            node.node_id = next((i for i in gcs_alive_node_ids(self.address) if i not in known), "")
+            return bool(node.node_id)
 
-    def _alive_node_ids(self) -> list[str]:
-        if not self.address:
-            return []
-        from ray._raylet import GcsClient
-
-        try:
-            nodes = GcsClient(address=self.address).get_all_node_info(timeout=5)
-        except Exception:  # the GCS is still starting
-            return []
-        return [info.node_id.hex() for info in nodes.values() if info.state == 0]  # 0: ALIVE
+        wait_until(joined, timeout, f"the node of `ray start {' '.join(args)}` to join (log: {log})",
+                   poll_s=_POLL_SECONDS)
+        return node
 
     def alive_nodes(self) -> list[LocalNode]:
         """The nodes the GCS counts alive (a killed node stays until its health checks fail)."""
-        alive = set(self._alive_node_ids())
+        alive = set(gcs_alive_node_ids(self.address)) if self.address else set()
         return [n for n in self.nodes if n.node_id in alive]
 
     def ray(self, *args: str) -> subprocess.CompletedProcess:
         """Run the ``ray`` CLI against this cluster's environment (e.g. ``drain-node``); raises on failure."""
-        ray_cli = str(Path(sys.executable).with_name("ray"))
-        return subprocess.run([ray_cli, *args], env=self.env, capture_output=True, text=True, timeout=120, check=True)
+        return subprocess.run([_ray_cli(), *args], env=self.env, capture_output=True, text=True, timeout=120,
+                              check=True)
 
     def stop(self) -> None:
         """Stop the worker nodes, then the head."""

@@ -1,4 +1,4 @@
-"""The checkpoint manager: restore at the start, save on an interval, register with Ray when durable.
+"""The checkpointer: restore at the start, save on an interval, register with Ray when durable.
 
 A checkpoint goes state -> stage -> write/upload -> commit (``.metadata``) -> register with Ray
 -> retention (Ray's ``CheckpointConfig.num_to_keep``).
@@ -12,17 +12,19 @@ finished, at the next point where every rank already stops for it (the next save
 save, ``finish()``), and only if all ranks agreed it is complete. ASYNC rather than NO_UPLOAD so
 that putting the result on Ray's size-1 result queue (drained by the controller every ~2 s)
 happens on Ray's upload thread, not in the training loop. A crash between durable and
-registered loses nothing: :meth:`CheckpointManager.restore` also finds complete checkpoints
+registered loses nothing: :meth:`Checkpointer.restore` also finds complete checkpoints
 that Ray never registered, and registers the one it resumes from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
-from statistics import median
-from typing import Any, Literal, Mapping
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal, Mapping
 
 import ray.train
 import torch
@@ -30,23 +32,35 @@ import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ray_resilient._ray_internals import train_run_id
 from ray_resilient.checkpoint.collectives import broadcast_from_rank0, smallest_on_any_rank
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
+from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
+from ray_resilient.checkpoint.hooks import AttemptHook, DataWaitSource
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
-from ray_resilient.checkpoint.lease import RunLease, RunLeaseHeldError, ray_train_run_id
+from ray_resilient.checkpoint.lease import RunLease, RunLeaseHeldError
 from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.save_policy import SavePolicy
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
 from ray_resilient.faults import FaultInjector
-from ray_resilient.goodput.planner import interval_steps_for
-from ray_resilient.goodput.recorder import GoodputRecorder, MetricsLogger
-from ray_resilient.spare_workers import spares_enabled, start_spare_workers
+from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
+from ray_resilient.tracking import MetricsLogger
 
 logger = logging.getLogger(__name__)
 
+RECENT_SAVES = 100  # SaveResults kept in Checkpointer.recent_saves
 
-AUTO_FIRST_STEPS = 10  # interval_steps="auto": the first checkpoint, which measures the save stall
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A save started and not yet collected: what is reported with it, and its stall."""
+
+    metrics: dict[str, Any]
+    wall_started: float
+    stall_seconds: float
+    stall_phases: dict[str, float]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -57,12 +71,12 @@ def _already_durable(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
     return checkpoint
 
 
-class CheckpointManager:
+class Checkpointer:
     """Sharded asynchronous DCP checkpoints of a Ray Train run, with automatic resume.
 
     Use inside a ``TorchTrainer`` train function, after ``prepare_model``::
 
-        with CheckpointManager(model, optimizer, lr_scheduler=scheduler, data=sampler,
+        with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=sampler,
                                interval_steps=100, seed=seed) as ckpt:
             state = ckpt.restore()                 # newest complete checkpoint, or fresh
             for epoch in range(state.epoch, epochs):
@@ -77,18 +91,18 @@ class CheckpointManager:
         lr_scheduler: saved and restored when given.
         grad_scaler: a ``torch.amp.GradScaler``; saved when given and enabled.
         data: the per-rank data position (a Stateful; a ``ReshardableStateful`` to continue
-            exactly after a change of world size).
+            exactly after a change of world size). If it is a
+            :class:`~ray_resilient.checkpoint.hooks.DataWaitSource` (a ``VolumeDataLoader``), the
+            ledger counts its wait for data apart from productive time.
         extras: further Statefuls, identical on every rank, saved once by name.
-        interval_steps: checkpoint every this many steps. Each save stalls the loop only for
-            the staging copy, so short intervals are cheap; lost work per failure is about
-            half an interval. ``"auto"``: the interval that maximizes goodput for the job's
-            ``mtbf_s`` (Daly's, see :mod:`ray_resilient.goodput.planner`) from the measured
-            save stall and step time: a first checkpoint after :data:`AUTO_FIRST_STEPS` steps
-            measures the stall, and every save updates the interval from rank 0's figures.
-        mtbf_s: the job's mean time between failures in seconds (needed by ``"auto"``).
+        interval_steps, mtbf_s, preemption_check_steps: when to save (a
+            :class:`~ray_resilient.checkpoint.save_policy.SavePolicy`, :attr:`policy`): every
+            this many steps (each save stalls the loop only for the staging copy, so short
+            intervals are cheap; lost work per failure is about half an interval), or
+            ``"auto"``: Daly's interval for the job's ``mtbf_s`` from the measured save stall
+            and step time. Every ``preemption_check_steps`` steps Ray is asked for an
+            imminent preemption, which a just-in-time save answers.
         seed: the run's seed, recorded, and used to re-derive RNG streams after a resize.
-        preemption_check_steps: ask Ray for imminent preemption every this many steps and
-            save a just-in-time checkpoint. Each check is a barrier across workers (a few ms).
         staging_buffers: sets of reused host buffers for staging (each holds this rank's share
             of the state: pinned memory on GPU). With 2, a save starts while the previous one
             is still being written, so writes slower than the interval do not stall the loop;
@@ -108,6 +122,10 @@ class CheckpointManager:
             steps: ``"mlflow"`` (the MLflow run of this Ray Train run, metrics ``goodput/...``),
             a callable ``(metrics, step)``, or None. The goodput ledger itself is always kept
             (``<run dir>/goodput``, see :mod:`ray_resilient.goodput`).
+        attempt_hooks: called at points of each attempt
+            (:class:`~ray_resilient.checkpoint.hooks.AttemptHook`). Spare workers
+            (:mod:`ray_resilient.spare_workers`) are requested through one when the run's
+            configuration turned them on.
     """
 
     def __init__(
@@ -130,24 +148,14 @@ class CheckpointManager:
         faults: str | None = None,
         goodput_logger: MetricsLogger | str | None = "mlflow",
         goodput_log_every: int = 50,
+        attempt_hooks: Sequence[AttemptHook] = (),
     ):
-        if interval_steps == "auto":
-            if mtbf_s is None or mtbf_s <= 0:
-                raise ValueError(f'interval_steps="auto" needs the job\'s mtbf_s (seconds, > 0), got {mtbf_s}')
-        elif not isinstance(interval_steps, int) or interval_steps < 1:
-            raise ValueError(f'interval_steps must be an int >= 1 or "auto", got {interval_steps!r}')
         if max_failed_saves_in_a_row < 1:
             raise ValueError(f"max_failed_saves_in_a_row must be >= 1, got {max_failed_saves_in_a_row}")
-        if preemption_check_steps < 1:
-            raise ValueError(f"preemption_check_steps must be >= 1, got {preemption_check_steps}")
+        self.policy = SavePolicy(interval_steps, mtbf_s=mtbf_s, preemption_check_steps=preemption_check_steps)
         self.components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
-        self.auto_interval = interval_steps == "auto"
-        self.interval_steps = AUTO_FIRST_STEPS if interval_steps == "auto" else interval_steps
-        self.mtbf_s = mtbf_s
-        self._next_auto_save = AUTO_FIRST_STEPS
-        self._step_seconds: deque[float] = deque(maxlen=50)  # recent step times (for "auto")
-        self.preemption_check_steps = preemption_check_steps
         self.max_failed_saves_in_a_row = max_failed_saves_in_a_row
+        self._hooks = [*attempt_hooks, *([SpareWorkerRequest()] if spares_enabled() else [])]
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
@@ -157,7 +165,7 @@ class CheckpointManager:
         self.goodput = GoodputRecorder(self.storage, self.rank, self.world_size, log_every=goodput_log_every,
                                        metrics_logger=goodput_logger)
         # Rank 0 holds the run directory's lease (one writer per run) from restore() to close().
-        self._lease = RunLease(self.storage.filesystem, self.storage.experiment_path, ray_train_run_id())
+        self._lease = RunLease(self.storage.filesystem, self.storage.experiment_path, train_run_id())
         self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
                                              write_threads=write_threads, before_commit=self._lease.check)
         # The training thread's own collectives (which saves finished, the auto interval): the
@@ -166,11 +174,12 @@ class CheckpointManager:
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt: int | None = None  # this attempt's number, known once restore() ran
-        self._in_flight: deque[tuple[dict[str, Any], float]] = deque()  # per save in flight: metrics, wall start
+        self._in_flight: deque[_InFlight] = deque()
         self._deferred = False  # a due save is waiting for a free set of staging buffers
         self._last_metrics: dict[str, Any] = {}  # the last step's, reported with the final checkpoint
         self._last_saved_step: int | None = None
-        self.saved_for_preemption = False  # a just-in-time checkpoint was taken
+        self._first_step_done = False
+        self._phases: dict[str, float] = {}  # the current save's stall, by phase
         self.failed_saves = 0  # saves that did not become durable
         self._failed_in_a_row = 0
         self.deferred_saves = 0  # due saves that waited for a staging buffer set (writes slower than the interval)
@@ -178,9 +187,9 @@ class CheckpointManager:
         self.saves_started = 0  # saves of this attempt staged (the loop stalled for each)
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
         self.last_save: SaveResult | None = None  # the newest save every rank made durable
-        self._spares_requested = False
+        self.recent_saves: deque[SaveResult] = deque(maxlen=RECENT_SAVES)  # finished saves, durable or not
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> "Checkpointer":
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, *traceback: Any) -> None:
@@ -252,7 +261,7 @@ class CheckpointManager:
         return self.train_state
 
     def _restored(self, wall_started: float) -> None:
-        self._next_auto_save = self.train_state.step + self.interval_steps
+        self.policy.restored(self.train_state.step)
         self.goodput.restored(wall_started, self.train_state.step)
         self._fetch_seen = self._data_fetch_seconds()
         self._mark = time.time()
@@ -262,7 +271,7 @@ class CheckpointManager:
     def step_completed(self, epoch: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Count one finished training step; checkpoint when the interval or a preemption says so."""
         if self._attempt is None:
-            raise RuntimeError("call CheckpointManager.restore() before the first step: it takes the run's lease "
+            raise RuntimeError("call Checkpointer.restore() before the first step: it takes the run's lease "
                                "and numbers this attempt's checkpoints, so that no earlier checkpoint is overwritten")
         self._lease.check()
         ended = time.time()
@@ -272,16 +281,19 @@ class CheckpointManager:
         fetched = self._data_fetch_seconds()
         self._last_metrics = dict(metrics or {})
         self.goodput.step(state.step, self._mark, ended, fetched - self._fetch_seen)
-        self._step_seconds.append(ended - self._mark)
+        self.policy.step_finished(ended - self._mark)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
-        if not self._spares_requested:
-            self._request_spare_workers()
-        if self._deferred or self._save_due(state.step):
+        if not self._first_step_done:
+            self._first_step_done = True
+            for hook in self._hooks:
+                hook.first_step()
+        if self._deferred or self.policy.due(state.step):
             self._checkpoint(metrics or {})
-            if self.auto_interval and not self._deferred:
-                self._update_auto_interval()
-        elif state.step % self.preemption_check_steps == 0 and self._preemption_imminent():
+            if not self._deferred:
+                durable = self.last_save.durable_seconds if self.last_save is not None else 0.0
+                self.policy.saved(state.step, self.last_stall_seconds, durable, self._control)
+        elif self.policy.preemption_imminent(state.step):
             self._checkpoint(metrics or {}, wait=True)
         self._mark = time.time()
 
@@ -299,7 +311,7 @@ class CheckpointManager:
             self.goodput.finished(self.train_state.step)
             return None
         if self._last_saved_step == self.train_state.step:
-            self._in_flight[-1][0].update({**metrics, **self.goodput.metrics()})
+            self._in_flight[-1].metrics.update({**metrics, **self.goodput.metrics()})
             results = self._collect_saves(wait=True)
             result = results[-1] if results else None
         else:
@@ -324,44 +336,18 @@ class CheckpointManager:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _request_spare_workers(self) -> None:
-        """Once this attempt trains, start warm processes for the next restart (:mod:`ray_resilient.spare_workers`)."""
-        self._spares_requested = True
-        context = ray.train.get_context()
-        if spares_enabled() and context.get_local_rank() == 0:
-            start_spare_workers(context.get_local_world_size())
-
-    def _save_due(self, step: int) -> bool:
-        if self.auto_interval:
-            return step >= self._next_auto_save
-        return step % self.interval_steps == 0
-
-    def _update_auto_interval(self) -> None:
-        """Daly's interval from rank 0's last save stall and median step time, at least its last
-        time to durable, the same on every rank."""
-        durable = self.last_save.durable_seconds if self.last_save is not None else 0.0
-        measured = (self.last_stall_seconds, median(self._step_seconds), durable)
-        stall, step_seconds, durable = broadcast_from_rank0(self._control, measured)
-        interval = interval_steps_for(self.mtbf_s, max(stall, 1e-6), max(step_seconds, 1e-6), durable)
-        if interval != self.interval_steps:
-            logger.info("Checkpoint interval: %d steps (Daly's for an MTBF of %.0fs, save stall %.3fs, step %.3fs; "
-                        "a save is durable after %.3fs)", interval, self.mtbf_s, stall, step_seconds, durable)
-        self.interval_steps = interval
-        self._next_auto_save = self.train_state.step + interval
-
     def _data_fetch_seconds(self) -> float:
-        """The data loader's total ``fetch_seconds`` (a VolumeDataLoader's), else 0."""
-        return float(getattr(getattr(self.components.data, "metrics", None), "fetch_seconds", 0.0))
+        data = self.components.data
+        return data.fetch_seconds if isinstance(data, DataWaitSource) else 0.0
 
-    def _preemption_imminent(self) -> bool:
-        if self.saved_for_preemption:
-            return False
-        info = ray.train.get_preemption_info()
-        if info is None:
-            return False
-        logger.warning("Preemption of ranks %s imminent: saving a just-in-time checkpoint", info.preempted_ranks)
-        self.saved_for_preemption = True
-        return True
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Time a part of the current save's stall (reported in its ``SaveResult.stall_phases``)."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._phases[name] = self._phases.get(name, 0.0) + time.monotonic() - started
 
     def _checkpoint(self, metrics: Mapping[str, Any], wait: bool = False) -> SaveResult | None:
         """Start a save of the current state, or defer it while every staging buffer set is busy.
@@ -369,7 +355,9 @@ class CheckpointManager:
         ``wait``: wait for the saves in flight, then for this one (final and preemption saves).
         """
         started, wall_started = time.monotonic(), time.time()
-        self._collect_saves(wait=wait)
+        self._phases = {}
+        with self._phase("collect finished saves"):
+            self._collect_saves(wait=wait)
         if not self._writer.can_stage:
             if not self._deferred:
                 self.deferred_saves += 1
@@ -379,13 +367,16 @@ class CheckpointManager:
             return None
         self._deferred = False
         step = self.train_state.step
-        state = self.components.state_to_save(self.train_state, self.rank)
-        self._writer.save(state, step, checkpoint_dir_name(step, self._attempt))
+        with self._phase("build state dict"):
+            state = self.components.state_to_save(self.train_state, self.rank)
+        with self._phase("staging copy"):
+            self._writer.save(state, step, checkpoint_dir_name(step, self._attempt))
         self.saves_started += 1
         self._last_saved_step = step
         self.last_stall_seconds = time.monotonic() - started
-        self._in_flight.append(({**metrics, "step": step, "epoch": self.train_state.epoch,
-                                 "checkpoint_stall_seconds": self.last_stall_seconds}, wall_started))
+        self._in_flight.append(_InFlight({**metrics, "step": step, "epoch": self.train_state.epoch,
+                                          "checkpoint_stall_seconds": self.last_stall_seconds},
+                                         wall_started, self.last_stall_seconds, dict(self._phases)))
         results = self._collect_saves(wait=True) if wait else []
         self.goodput.save(step, wall_started, time.time())
         return results[-1] if results else None
@@ -402,15 +393,18 @@ class CheckpointManager:
         else:
             finished = smallest_on_any_rank(self._control, self._writer.finished()) if self._writer.in_flight else 0
             results = self._writer.collect(finished)
-        for result in results:
-            metrics, wall_started = self._in_flight.popleft()
+        for index, result in enumerate(results):
+            started = self._in_flight.popleft()
+            result = results[index] = dataclasses.replace(result, stall_seconds=started.stall_seconds,
+                                                          stall_phases=started.stall_phases)
+            self.recent_saves.append(result)
             if result.ok:
                 self._failed_in_a_row = 0
                 self.checkpoints_committed += 1
                 self.last_save = result
-                self.goodput.durable(result.step, wall_started + result.durable_seconds)
+                self.goodput.durable(result.step, started.wall_started + result.durable_seconds)
                 self._register(result.path, {
-                    **metrics,
+                    **started.metrics,
                     "checkpoint_stage_seconds": result.stage_seconds,
                     "checkpoint_durable_seconds": result.durable_seconds,
                     "checkpoint_failed_saves": self.failed_saves,
@@ -432,6 +426,10 @@ class CheckpointManager:
         return results
 
     def _register(self, path: str, metrics: Mapping[str, Any]) -> None:
+        with self._phase("register with Ray"):
+            self._report(path, metrics)
+
+    def _report(self, path: str, metrics: Mapping[str, Any]) -> None:
         self.goodput.registered(metrics["step"])
         checkpoint = Checkpoint(path, filesystem=self.storage.filesystem)
         ray.train.report(

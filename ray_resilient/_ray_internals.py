@@ -1,0 +1,139 @@
+"""Every use of a private or unstable Ray API, behind one wall.
+
+ray_resilient needs a few things Ray 2.60 offers only internally: the Ray Train run's id, the
+raylet's ``PrestartWorkers`` RPC and the worker setup hook's variable (spare workers), the GCS's
+node table (the local test cluster), environment variables read by Ray's C++ core and Train V2's
+controller, and the text of the controller's log (the recovery benchmark). Nothing else in the
+package imports ``ray._private``, ``ray._raylet`` or ``ray.train.v2._internal``.
+
+Each use has a test in ``tests/test_ray_internals.py`` that fails loudly when a Ray upgrade moves
+it. At run time a moved API degrades to a warning and a fallback, never an ImportError: spare
+workers are skipped, the run id falls back to the driver's job id.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Train V2 controller settings (ray.train.v2._internal.constants).
+TRAIN_HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+TRAIN_WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+# The GCS's health checks of the raylets (Ray's C++ config; defaults: every 3 s, dead after 5
+# misses, about 15 s). These make a lost node dead after about 3 s (set on the head node).
+FAST_NODE_FAILURE_DETECTION = {
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+# The state API server Ray's tools ask (ray._private.ray_constants). A cluster without a dashboard
+# has none, so Ray Train's PlacementGroupCleaner would ask whatever dashboard listens on the
+# default 127.0.0.1:8265 (another local cluster's), not find the run's controller there, and
+# remove the run's placement group. A driver of such a cluster points it nowhere instead.
+API_SERVER_ADDRESS_ENV = "RAY_API_SERVER_ADDRESS"
+NO_API_SERVER = {API_SERVER_ADDRESS_ENV: "http://127.0.0.1:1"}
+
+_ALIVE = 0  # GcsNodeInfo.GcsNodeState.ALIVE
+
+
+def train_run_id() -> str:
+    """The current Ray Train run's id (one per ``fit()``: restarted worker groups share it).
+
+    Fallback when Ray moved it: the driver's job id, which restarts of one ``fit()`` share too.
+    """
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().train_run_context.run_id
+    except (ImportError, AttributeError) as err:
+        import ray
+
+        logger.warning("Ray Train's run id is not where ray_resilient expects it (%r); using the job id", err)
+        return f"job-{ray.get_runtime_context().get_job_id()}"
+
+
+def worker_setup_hook_env_var() -> str | None:
+    """The variable that names Ray's worker process setup hook, or None (with a warning) when it moved."""
+    try:
+        from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+    except ImportError as err:
+        logger.warning("Ray's worker setup hook variable moved (%r): spare workers will not preload modules", err)
+        return None
+    return WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+
+def prestart_workers(count: int, keep_alive_s: int) -> bool:
+    """Ask this node's raylet for ``count`` idle workers of this job with this worker's runtime env.
+
+    Call from inside a Ray worker. Returns whether the raylet accepted; logs a warning otherwise.
+    """
+    try:
+        import ray
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+        context = ray.get_runtime_context()
+        node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
+        request = node_manager_pb2.PrestartWorkersRequest(
+            language=common_pb2.Language.PYTHON,
+            job_id=ray.JobID.from_hex(context.get_job_id()).binary(),
+            keep_alive_duration_secs=keep_alive_s,
+            num_workers=count,
+        )
+        request.runtime_env_info.serialized_runtime_env = context.get_runtime_env_string()
+        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        try:
+            node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=10)
+        finally:
+            channel.close()
+    except Exception:  # noqa: BLE001 - spares only speed up the next restart
+        logger.warning("Could not start spare Ray workers; the next restart starts new processes", exc_info=True)
+        return False
+    return True
+
+
+def alive_node_ids(gcs_address: str) -> list[str]:
+    """The ids (hex) of the nodes the GCS at ``gcs_address`` counts alive; empty while it does not answer."""
+    from ray._raylet import GcsClient
+
+    try:
+        nodes = GcsClient(address=gcs_address).get_all_node_info(timeout=5)
+    except Exception:  # noqa: BLE001 - the GCS is still starting, or gone
+        return []
+    return [info.node_id.hex() for info in nodes.values() if info.state == _ALIVE]
+
+
+# Ray Train's controller log: the records that end the phases of a restart (benchmarks/recovery.py).
+CONTROLLER_RETRY = "[FailurePolicy] RETRY"
+CONTROLLER_RESTART_MARKS = {
+    "stop+pg": "[Worker Group Initialization] Placement group ready",
+    "actors": "worker actors created",
+    "context": "[Worker Group Initialization] Train context initialized",
+}
+
+
+def controller_log(ray_temp_dir: Path) -> list[tuple[float, str]]:
+    """(time in s since the epoch, message) of Ray Train's controller log records, oldest first.
+
+    The ``sys`` log (``ray-train-sys-controller-*.log``) has every record, DEBUG included (the
+    worker-group start-up timings); the ``app`` log, at the run's log level, is the fallback.
+    """
+    for kind in ("sys", "app"):
+        pattern = str(Path(ray_temp_dir) / "**" / f"ray-train-{kind}-controller-*.log")
+        records = []
+        for path in glob.glob(pattern, recursive=True):
+            for line in Path(path).read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                    records.append((int(record["timestamp_ns"]) / 1e9, str(record["message"])))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    continue
+        if records:
+            return sorted(records)
+    return []

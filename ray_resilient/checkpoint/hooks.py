@@ -1,0 +1,25 @@
+"""What the checkpointer asks of the objects around it, declared (typing protocols)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class DataWaitSource(Protocol):
+    """A data position that also says how long the loop waited for data (a
+    :class:`~ray_resilient.data.VolumeDataLoader`): the goodput ledger counts that wait apart
+    from productive step time."""
+
+    @property
+    def fetch_seconds(self) -> float:
+        """Seconds the training loop has waited for batches so far (monotonic)."""
+        ...
+
+
+class AttemptHook(Protocol):
+    """Called by the checkpointer at points of an attempt (e.g. starting spare workers once it trains)."""
+
+    def first_step(self) -> None:
+        """The attempt completed its first step (after the restore): it is training."""
+        ...

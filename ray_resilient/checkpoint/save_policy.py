@@ -1,0 +1,93 @@
+"""When to save: every N steps or at Daly's interval for the job's MTBF, and before a preemption.
+
+The :class:`~ray_resilient.checkpoint.checkpointer.Checkpointer` asks :meth:`SavePolicy.due` after
+every step and tells the policy what each save cost; the policy holds no checkpoint state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from statistics import median
+from typing import Literal
+
+import ray.train
+import torch.distributed as dist
+
+from ray_resilient.checkpoint.collectives import broadcast_from_rank0
+from ray_resilient.goodput.planner import interval_steps_for
+
+logger = logging.getLogger(__name__)
+
+AUTO_FIRST_STEPS = 10  # interval_steps="auto": the first checkpoint, which measures the save stall
+STEP_WINDOW = 50  # "auto": the median of this many recent step times
+
+
+class SavePolicy:
+    """Decides, the same way on every rank, whether the step just finished is saved.
+
+    Args:
+        interval_steps: save every this many steps, or ``"auto"``: the interval that maximizes
+            goodput for ``mtbf_s`` (Daly's, :mod:`ray_resilient.goodput.planner`) from the
+            measured save stall and step time. A first save after :data:`AUTO_FIRST_STEPS`
+            steps measures the stall, and every save updates the interval from rank 0's figures.
+        mtbf_s: the job's mean time between failures in seconds (needed by ``"auto"``).
+        preemption_check_steps: ask Ray for imminent preemption every this many steps (a
+            barrier across workers, a few ms); a just-in-time save follows once.
+    """
+
+    def __init__(self, interval_steps: int | Literal["auto"] = 100, *, mtbf_s: float | None = None,
+                 preemption_check_steps: int = 10):
+        if interval_steps == "auto":
+            if mtbf_s is None or mtbf_s <= 0:
+                raise ValueError(f'interval_steps="auto" needs the job\'s mtbf_s (seconds, > 0), got {mtbf_s}')
+        elif not isinstance(interval_steps, int) or interval_steps < 1:
+            raise ValueError(f'interval_steps must be an int >= 1 or "auto", got {interval_steps!r}')
+        if preemption_check_steps < 1:
+            raise ValueError(f"preemption_check_steps must be >= 1, got {preemption_check_steps}")
+        self.auto = interval_steps == "auto"
+        self.interval_steps = AUTO_FIRST_STEPS if self.auto else interval_steps
+        self.mtbf_s = mtbf_s
+        self.preemption_check_steps = preemption_check_steps
+        self.saved_for_preemption = False  # a just-in-time checkpoint was taken
+        self._next_auto_save = AUTO_FIRST_STEPS
+        self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
+
+    def restored(self, step: int) -> None:
+        """The run continues after ``step``: the next interval counts from there."""
+        self._next_auto_save = step + self.interval_steps
+
+    def step_finished(self, seconds: float) -> None:
+        self._step_seconds.append(seconds)
+
+    def due(self, step: int) -> bool:
+        """Whether the interval says to save after ``step``."""
+        if self.auto:
+            return step >= self._next_auto_save
+        return step % self.interval_steps == 0
+
+    def preemption_imminent(self, step: int) -> bool:
+        """Whether Ray announced a preemption (asked every ``preemption_check_steps``; true once)."""
+        if self.saved_for_preemption or step % self.preemption_check_steps:
+            return False
+        info = ray.train.get_preemption_info()
+        if info is None:
+            return False
+        logger.warning("Preemption of ranks %s imminent: saving a just-in-time checkpoint", info.preempted_ranks)
+        self.saved_for_preemption = True
+        return True
+
+    def saved(self, step: int, stall_s: float, durable_s: float, group: dist.ProcessGroup | None) -> None:
+        """A save started after ``step``, stalling the loop ``stall_s``; the newest durable one took
+        ``durable_s``. With ``"auto"``, the next interval is Daly's from rank 0's figures (at least
+        its time to durable), the same on every rank (a collective on ``group``)."""
+        if not self.auto:
+            return
+        measured = (stall_s, median(self._step_seconds), durable_s)
+        stall, step_seconds, durable = broadcast_from_rank0(group, measured)
+        interval = interval_steps_for(self.mtbf_s, max(stall, 1e-6), max(step_seconds, 1e-6), durable)
+        if interval != self.interval_steps:
+            logger.info("Checkpoint interval: %d steps (Daly's for an MTBF of %.0fs, save stall %.3fs, step %.3fs; "
+                        "a save is durable after %.3fs)", interval, self.mtbf_s, stall, step_seconds, durable)
+        self.interval_steps = interval
+        self._next_auto_save = step + interval

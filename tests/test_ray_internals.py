@@ -1,0 +1,81 @@
+"""One test per private or unstable Ray API in ``ray_resilient._ray_internals``: each fails loudly
+when a Ray upgrade moves what the wall relies on (at run time the wall only warns)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import ray
+
+from ray_resilient import _ray_internals
+
+
+def test_train_v2_reads_the_controller_settings_we_set():
+    from ray.train.v2._internal import constants
+
+    assert constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR == _ray_internals.TRAIN_HEALTH_CHECK_INTERVAL_ENV
+    assert constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR == _ray_internals.TRAIN_WORKER_GROUP_START_TIMEOUT_ENV
+
+
+def test_the_gcs_knows_the_health_check_settings_we_set():
+    """Ray's C++ config reads ``RAY_<name>``: the GCS server binary must still know each name."""
+    gcs_server = Path(ray.__file__).parent / "core" / "src" / "ray" / "gcs" / "gcs_server"
+    binary = gcs_server.read_bytes()
+    for variable in _ray_internals.FAST_NODE_FAILURE_DETECTION:
+        assert variable.removeprefix("RAY_").encode() in binary, variable
+
+
+def test_ray_reads_the_api_server_address_variable():
+    from ray._private import ray_constants
+
+    assert ray_constants.RAY_API_SERVER_ADDRESS_ENVIRONMENT_VARIABLE == _ray_internals.API_SERVER_ADDRESS_ENV
+
+
+def test_the_train_run_id_is_where_the_wall_reads_it():
+    from ray.train.v2._internal.execution.context import TrainContext, TrainRunContext, get_train_context
+
+    assert callable(get_train_context)
+    assert "train_run_context" in {f.name for f in dataclasses.fields(TrainContext)}
+    assert "run_id" in {f.name for f in dataclasses.fields(TrainRunContext)}
+
+
+def test_the_worker_setup_hook_variable_exists():
+    assert _ray_internals.worker_setup_hook_env_var() is not None
+
+
+def test_the_gcs_client_lists_this_clusters_node_alive(ray_cluster):
+    context = ray.get_runtime_context()
+    assert _ray_internals.alive_node_ids(context.gcs_address) == [context.get_node_id()]
+
+
+def test_the_raylet_accepts_a_prestart_request(ray_cluster):
+    @ray.remote(num_cpus=0)
+    def prestart() -> bool:
+        return _ray_internals.prestart_workers(1, keep_alive_s=5)
+
+    assert ray.get(prestart.remote())
+
+
+@pytest.mark.slow
+def test_a_train_run_has_its_run_id_and_the_controller_logs_the_restart_marks(ray_cluster, tmp_path):
+    """Inside a real train function the run id comes from Ray (not the job-id fallback), and the
+    controller's log has the records benchmarks/recovery.py times a restart by."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = tmp_path / "run_id.json"
+
+    def train_fn() -> None:
+        out.write_text(json.dumps(_ray_internals.train_run_id()))
+
+    TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=1),
+                 run_config=RunConfig(name="internals", storage_path=str(tmp_path / "storage"))).fit()
+    assert re.fullmatch(r"[0-9a-f]{32}", json.loads(out.read_text()))
+    session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
+    messages = [message for _, message in _ray_internals.controller_log(session_dir)]
+    for mark in _ray_internals.CONTROLLER_RESTART_MARKS.values():
+        assert any(mark in message for message in messages), mark
