@@ -251,7 +251,7 @@ def train_resilient(config: dict[str, Any]) -> None:
     from ray_resilient import Checkpointer
 
     with Checkpointer(job.model, job.optimizer, data=job.data, interval_steps="auto", mtbf_s=config["mtbf_s"],
-                           seed=config["seed"], faults="", goodput_logger=None) as ckpt:
+                      seed=config["seed"], faults="", goodput_logger=None) as ckpt:
         state = ckpt.restore()
         job.log(restored=state.step, epoch=state.epoch, consumed=job.data.consumed)
         step, _ = job.train(state.epoch, state.step, lambda _step, epoch: ckpt.step_completed(epoch))

@@ -166,7 +166,7 @@ def measure_fn(config: dict[str, Any]) -> None:
     results[TORCH_ASYNC] = torch_save_stalls(job, saves, between, CheckpointUploadMode.ASYNC, "torch_async")
     step_seconds = config["step_seconds"]
     with Checkpointer(job.model, job.optimizer, interval_steps=between, goodput_logger=None,
-                           write_threads=config["write_threads"]) as ckpt:
+                      write_threads=config["write_threads"]) as ckpt:
         ckpt.restore()  # a fresh run: finds nothing; takes the run's lease
         # The given interval first; if a save took longer than it to become durable, again at
         # 1.5 times the time to durable (steady state); then at half of it.

@@ -182,7 +182,7 @@ def train_fn(config: dict[str, Any]) -> None:
     log("model_ready")
 
     with Checkpointer(model, optimizer, data=data, interval_steps=config["interval"], seed=config["seed"],
-                           faults=config["faults"]) as ckpt:
+                      faults=config["faults"]) as ckpt:
         log("restore_start")
         state = ckpt.restore()
         log("restore_end", step=state.step)

@@ -38,7 +38,7 @@ def train_fn(config: dict[str, Any]) -> None:
     data = SyntheticBatches(config["samples"], config["global_batch"], config["seed"], rank, world)
 
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data,
-                           interval_steps=config["interval"], seed=config["seed"], faults=config["faults"]) as ckpt:
+                      interval_steps=config["interval"], seed=config["seed"], faults=config["faults"]) as ckpt:
         state = ckpt.restore()
         if rank == 0:
             print(f"[rank 0] {world} workers, starting at step {state.step} (epoch {state.epoch})", flush=True)

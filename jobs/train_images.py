@@ -120,8 +120,8 @@ def train_fn(config: dict[str, Any]) -> None:
     metrics_log = BackgroundMetrics(lambda: MlflowMetrics(run_name), "job") if rank == 0 else None
     metrics: dict[str, float] = {}
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
-                           interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
-                           goodput_log_every=config["log_every"], faults=config["faults"]) as ckpt:
+                      interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
+                      goodput_log_every=config["log_every"], faults=config["faults"]) as ckpt:
         state = ckpt.restore()
         restarts = ckpt.goodput.breakdown().attempts - 1 if rank == 0 else 0
         if rank == 0:

@@ -160,8 +160,8 @@ def train_fn(config: dict[str, Any]) -> None:
     data = SyntheticBatches(config["samples"], config["global_batch"], seed, rank, world)
     loss = torch.zeros(())
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
-                           mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
-                           goodput_log_every=config.get("goodput_log_every", 50)) as ckpt:
+                      mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
+                      goodput_log_every=config.get("goodput_log_every", 50)) as ckpt:
         registered = ray.train.get_checkpoint()
         state = ckpt.restore()
         recorder = AttemptRecorder(config["record_dir"], state.step, registered)
@@ -223,7 +223,7 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     counter = Counter()
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                           extras={"counter": counter}, interval_steps=3, seed=config["seed"]) as ckpt:
+                      extras={"counter": counter}, interval_steps=3, seed=config["seed"]) as ckpt:
         ckpt.restore()  # saving: finds nothing, starts fresh
         if saving:
             for _ in range(config["steps"]):
@@ -323,7 +323,7 @@ def image_train_fn(config: dict[str, Any]) -> None:
     model = prepare_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 12 * 12, 3)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with Checkpointer(model, optimizer, data=loader, interval_steps=config["interval"], seed=config["seed"],
-                           faults=config["faults"]) as ckpt:
+                      faults=config["faults"]) as ckpt:
         state = ckpt.restore()
         recorder = AttemptRecorder(config["record_dir"], state.step, None)
         while loader.epoch < config["epochs"]:

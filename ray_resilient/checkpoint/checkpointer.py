@@ -77,7 +77,7 @@ class Checkpointer:
     Use inside a ``TorchTrainer`` train function, after ``prepare_model``::
 
         with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=sampler,
-                               interval_steps=100, seed=seed) as ckpt:
+                          interval_steps=100, seed=seed) as ckpt:
             state = ckpt.restore()                 # newest complete checkpoint, or fresh
             for epoch in range(state.epoch, epochs):
                 for batch in loader:
@@ -154,6 +154,8 @@ class Checkpointer:
             raise ValueError(f"max_failed_saves_in_a_row must be >= 1, got {max_failed_saves_in_a_row}")
         self.policy = SavePolicy(interval_steps, mtbf_s=mtbf_s, preemption_check_steps=preemption_check_steps)
         self.components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
+        # Checked once here, not at every step (a protocol isinstance inspects the object).
+        self._data_wait = data if isinstance(data, DataWaitSource) else None
         self.max_failed_saves_in_a_row = max_failed_saves_in_a_row
         self._hooks = [*attempt_hooks, *([SpareWorkerRequest()] if spares_enabled() else [])]
         context = ray.train.get_context()
@@ -337,8 +339,7 @@ class Checkpointer:
     # --- internals ---------------------------------------------------------------------------
 
     def _data_fetch_seconds(self) -> float:
-        data = self.components.data
-        return data.fetch_seconds if isinstance(data, DataWaitSource) else 0.0
+        return self._data_wait.fetch_seconds if self._data_wait is not None else 0.0
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
