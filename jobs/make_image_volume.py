@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ray_resilient.storage import open_filesystem
-# make_image: tests/test_parquet.py still imports it from here.
-from ray_resilient.testing.image_volume import SHAPES, make_image, make_image_volume  # noqa: F401
+from ray_resilient.testing.image_volume import SHAPES, make_image_volume
 
 
 def main(argv: list[str] | None = None) -> None:

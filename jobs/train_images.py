@@ -167,8 +167,7 @@ def train_fn(config: dict[str, Any]) -> None:
 
 def generate_default_volume(root: str, per_class: int, classes: int, image_size: int, seed: int) -> str:
     """The embedded default dataset under ``root`` (train/ and val/), generated once."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from make_image_volume import make_image_volume
+    from ray_resilient.testing import make_image_volume
 
     fs = pafs.LocalFileSystem()
     for split, count, split_seed in (("train", per_class, seed), ("val", max(per_class // 4, 10), seed + 1)):

@@ -43,8 +43,8 @@ Each choice, and why:
   (:mod:`ray_resilient.spare_workers`). Add the train function's heavy imports to ``preload``.
 
   On the cluster side, the GCS declares a lost node dead after about 15 s of missed health
-  checks; :data:`ray_resilient._ray_internals.FAST_NODE_FAILURE_DETECTION` shortens that to about
-  3 s (set on the head node).
+  checks; the settings ``python -m ray_resilient.testing fast-node-failure-env`` prints shorten
+  that to about 3 s (in the head node's environment before ``ray start``).
 """
 
 from __future__ import annotations

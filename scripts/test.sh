@@ -10,5 +10,5 @@ if [ $# -gt 0 ]; then
 fi
 .venv/bin/python -m pytest -v -p no:cacheprovider
 scripts/setup.sh --lowest
-exec .venv-lowest/bin/python -m pytest -v -p no:cacheprovider -m "not slow" \
+exec .venv-lowest/bin/python -m pytest -v -p no:cacheprovider \
   tests/test_checkpoint_unit.py tests/test_staging.py tests/test_fsdp_checkpoint.py tests/test_buffers.py tests/test_restore.py tests/test_data.py tests/test_parquet.py

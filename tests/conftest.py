@@ -9,21 +9,17 @@ from pathlib import Path
 import pytest
 
 from ray_resilient._ray_internals import NO_API_SERVER
-from ray_resilient.testing import wait_until  # noqa: F401 - the tests import it from here
 
 TESTS_DIR = Path(__file__).parent
-# tests/trainlib.py still builds on jobs/train_ddp.py, and tests/test_parquet.py and test_job.py
-# import jobs/make_image_volume.py: until they import ray_resilient.testing, jobs/ is on the path.
-JOBS_DIR = TESTS_DIR.parent / "jobs"
 # Ray workers are separate processes: they find tests/trainlib.py through PYTHONPATH.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(TESTS_DIR), str(JOBS_DIR), os.environ.get("PYTHONPATH")])
+    filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])
 )
 # The controller polls worker health every 2 s by default; recover faster in tests.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # The in-process clusters of these tests have no dashboard (see NO_API_SERVER).
 os.environ.update(NO_API_SERVER)
-sys.path[:0] = [str(TESTS_DIR), str(JOBS_DIR)]
+sys.path.insert(0, str(TESTS_DIR))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -81,6 +81,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_each_rank_gets_its_own_buffers_back_and_the_model_entry_holds_rank_0s(tmp_path, parallelism):
     spawn(2, str(tmp_path), parallelism, "save")

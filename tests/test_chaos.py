@@ -111,11 +111,14 @@ def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism,
     streams re-derived for the new ranks. So the loss is compared: over the last epoch its mean
     must be within 10% of the uninterrupted run's (they differed by 4% in a 2-epoch run).
     """
-    # 240 steps of 0.1 s: the one-worker attempt runs long enough for the new node to join and
-    # for Ray's resize check (every 2 s here) to see it.
+    # 240 steps. The first attempt holds at step 15 until its node is killed; the one-worker attempt
+    # holds at step 160 until Ray's resize check (every 2 s here) sees the new node and replaces it,
+    # so the last epoch runs on two workers again however slow the machine is.
     job = {"samples": 2560, "epochs": 3, "interval": 10, "parallelism": parallelism}
     record = tmp_path / "rec"
-    config = trainlib.job_config(record, step_seconds=0.1, **job)
+    holds = [{"world_size": 2, "at_step": 15, "until": "replaced"},
+             {"world_size": 1, "at_step": 160, "until": "replaced"}]
+    config = trainlib.job_config(record, holds=holds, **job)
     with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
         nodes = [cluster.add_node(cpus=1), cluster.add_node(cpus=1)]
         driver = _driver(cluster, tmp_path / "storage", "elastic", (1, 2), config, tmp_path, "driver")
@@ -134,7 +137,7 @@ def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism,
 
         wait_until(shrunk, timeout=300, what="the run to restart on the remaining node")
         cluster.add_node(cpus=1)
-        driver.wait(timeout=600)
+        driver.wait(timeout=300)
     attempts = trainlib.read_attempts(str(record))
     assert [a["world_size"] for a in attempts] == [2, 1, 2], attempts
     kept = trainlib.kept_global_batches(str(record))
@@ -182,7 +185,9 @@ def test_a_second_driver_of_the_same_run_is_refused_at_once_and_the_first_run_lo
     an error naming the first run (which holds the run directory's lease); the first trains on
     untouched, every global batch once, its final checkpoint complete."""
     storage, first_record, second_record = tmp_path / "storage", tmp_path / "first", tmp_path / "second"
-    job = {"samples": 1920, "epochs": 1, "step_seconds": 1.0}  # 60 steps of 1 s: outlives the second's start
+    released = tmp_path / "second-refused"
+    # 60 steps; the first run holds at step 6 until the second driver has been refused.
+    job = {"samples": 1920, "epochs": 1, "holds": [{"world_size": 2, "at_step": 6, "until": str(released)}]}
     with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
         cluster.add_node(cpus=4)
         first = _driver(cluster, storage, "shared", 2, trainlib.job_config(first_record, **job), tmp_path, "first")
@@ -191,7 +196,8 @@ def test_a_second_driver_of_the_same_run_is_refused_at_once_and_the_first_run_lo
         second = _driver(cluster, storage, "shared", 2, trainlib.job_config(second_record, **job), tmp_path, "second")
         with pytest.raises(DriverError):
             second.wait(timeout=300)
-        assert first.running(), "the first run ended before the second was refused: lengthen it"
+        assert first.running()
+        released.touch()
         final = first.wait(timeout=600)["checkpoint"]
     second_output = second.output()
     assert "RunLeaseHeldError" in second_output and "another driver runs this run name" in second_output

@@ -270,6 +270,7 @@ def _fetch_into_cache(volume: Volume, cache_dir: str, files: list[tuple[str, int
     return [cache.fetch(path, size, lambda dest, path=path: volume.download(path, dest)) for path, size in files]
 
 
+@pytest.mark.slow  # four spawned processes
 def test_processes_missing_the_same_files_download_each_once_per_node(image_dir, s3_server, tmp_path):
     """4 processes miss the same 5 files of a far-away S3 (0.3 s per GET) at once, each with its own
     cache object on the node's cache directory: every file is fetched once, all get it byte-exact."""

@@ -23,6 +23,8 @@ from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
 from ray_resilient.faults import FaultInjector
 
+pytestmark = pytest.mark.slow  # process groups of spawned processes
+
 FEATURES, HIDDEN, CLASSES = 64, 4097, 5  # 4097 rows: uneven shards on 2 and 3 ranks; 3.4 MB of state
 # with Adam, so that the RNG state and the framing of DCP's files are small beside it
 

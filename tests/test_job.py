@@ -16,6 +16,7 @@ import torch
 
 from ray_resilient import list_checkpoints
 from ray_resilient.faults import parse_faults
+from ray_resilient.testing import make_image_volume
 
 REPO = Path(__file__).parent.parent
 
@@ -155,8 +156,6 @@ def test_the_image_job_on_a_changed_dataset_stops_at_once_and_keeps_every_checkp
     """The same run name on a volume with more images: the saved data position does not fit. The
     run must end at the first attempt with an error naming the checkpoint and the change, instead of
     falling back, starting fresh or spending its restarts, and keep every checkpoint."""
-    from make_image_volume import make_image_volume
-
     for name, per_class in (("A", 40), ("B", 48)):
         for split, count in (("train", per_class), ("val", 10)):
             make_image_volume(pafs.LocalFileSystem(), str(tmp_path / name / split), classes=4, per_class=count, size=32,

@@ -8,8 +8,8 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from conftest import wait_until
 from ray_resilient.checkpoint.lease import LEASE_FILE, RunLease, RunLeaseHeldError, RunLeaseLostError
+from ray_resilient.testing import wait_until
 
 FAST = {"ttl_s": 2.0, "renew_every_s": 0.2}
 LIVE = {"ttl_s": 20.0, "renew_every_s": 0.5}  # renewals far within the expiry, even on a loaded machine

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torchvision.io import encode_jpeg
 
-from make_image_volume import make_image
 from ray_resilient.data import PARQUET_STREAMING, ParquetVolumeDataset, Volume, VolumeDataLoader
+from ray_resilient.testing.image_volume import make_image
 
 ROWS = [9, 14, 11, 12, 10, 15, 13]  # 7 files, 84 rows
 

@@ -63,19 +63,25 @@ def test_the_raylet_accepts_a_prestart_request(ray_cluster):
 @pytest.mark.slow
 def test_a_train_run_has_its_run_id_and_the_controller_logs_the_restart_marks(ray_cluster, tmp_path):
     """Inside a real train function the run id comes from Ray (not the job-id fallback), and the
-    controller's log has the records benchmarks/recovery.py times a restart by."""
-    from ray.train import RunConfig, ScalingConfig
+    controller's log has the records benchmarks/recovery.py times a restart by: the retry decision
+    (the first attempt fails) and the phases of the restarted worker group's start."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     out = tmp_path / "run_id.json"
 
     def train_fn() -> None:
+        first_attempt = not out.exists()
         out.write_text(json.dumps(_ray_internals.train_run_id()))
+        if first_attempt:
+            raise RuntimeError("the first attempt fails, so that the controller retries")
 
-    TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=1),
-                 run_config=RunConfig(name="internals", storage_path=str(tmp_path / "storage"))).fit()
+    run_config = RunConfig(name="internals", storage_path=str(tmp_path / "storage"),
+                           failure_config=FailureConfig(max_failures=1))
+    assert TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=1), run_config=run_config).fit().error is None
     assert re.fullmatch(r"[0-9a-f]{32}", json.loads(out.read_text()))
     session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
     messages = [message for _, message in _ray_internals.controller_log(session_dir)]
+    assert any(message.startswith(_ray_internals.CONTROLLER_RETRY) for message in messages), messages[-20:]
     for mark in _ray_internals.CONTROLLER_RESTART_MARKS.values():
         assert any(mark in message for message in messages), mark

@@ -1,7 +1,7 @@
 """Train functions for the tests, instrumented to record what each attempt restored and consumed.
 
-Lives in its own module so Ray workers import it (conftest puts tests/ and jobs/ on their
-PYTHONPATH); the data is the demo job's resumable in-memory dataset.
+Lives in its own module so Ray workers import it (conftest puts tests/ on their PYTHONPATH); the
+data is the rig's resumable in-memory dataset (:class:`ray_resilient.testing.SyntheticBatches`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ray.train.torch import prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from train_ddp import CLASSES, FEATURES, SyntheticBatches
+from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 
 from ray_resilient import Checkpointer, spare_workers
 
@@ -143,9 +143,22 @@ def save_final_weights(model: torch.nn.Module, record_dir: str) -> None:
         torch.save({k: v.clone() for k, v in weights.items()}, os.path.join(record_dir, "final_weights.pt"))
 
 
+def hold(holds: list[dict[str, Any]], world: int, restored_step: int, step: int) -> None:
+    """Wait where a test asked, so that it acts on the run at a point it chose, not a race.
+
+    Each hold is ``{"world_size": W, "at_step": S, "until": "replaced" | FILE}``: an attempt of W
+    workers that started before step S stops once it trained step S, until Ray replaces its
+    worker group ("replaced": it never goes on) or until FILE exists.
+    """
+    for rule in holds:
+        if rule["world_size"] == world and restored_step < rule["at_step"] == step:
+            while rule["until"] == "replaced" or not os.path.exists(rule["until"]):
+                time.sleep(0.05)
+
+
 def train_fn(config: dict[str, Any]) -> None:
     """Train with SGD+momentum and a step LR schedule; checkpoint every ``interval`` steps.
-    ``parallelism``: ``"ddp"`` (default) or ``"fsdp"`` (FSDP2).
+    ``parallelism``: ``"ddp"`` (default) or ``"fsdp"`` (FSDP2); ``holds``: see :func:`hold`.
 
     Records, per attempt, the sample ids each rank consumed (``record_dir``) and finally the
     model weights (rank 0), so tests can compare runs bitwise.
@@ -163,8 +176,9 @@ def train_fn(config: dict[str, Any]) -> None:
                       mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
                       goodput_log_every=config.get("goodput_log_every", 50)) as ckpt:
         registered = ray.train.get_checkpoint()
-        state = ckpt.restore()
-        recorder = AttemptRecorder(config["record_dir"], state.step, registered)
+        state = ckpt.restore()  # the live train state: its step counts on
+        restored_step = state.step
+        recorder = AttemptRecorder(config["record_dir"], restored_step, registered)
         for epoch in range(state.epoch, config["epochs"]):
             for ids, x, y in data:
                 # Dropout-like randomness from the restored RNG: a resume that lost RNG state diverges.
@@ -177,6 +191,7 @@ def train_fn(config: dict[str, Any]) -> None:
                 recorder.step(ckpt.train_state.step + 1, ids, loss)
                 time.sleep(config.get("step_seconds", 0.0))  # emulated accelerator compute
                 ckpt.step_completed(data.epoch, {"loss": loss.item()})
+                hold(config.get("holds", ()), world, restored_step, ckpt.train_state.step)
         ckpt.finish({"loss": loss.item()})
     save_final_weights(model, config["record_dir"])
 
