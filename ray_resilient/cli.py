@@ -142,7 +142,8 @@ def _add_goodput_plan(commands: argparse._SubParsersAction) -> None:
         "ledger; the options below override them",
     )
     costs.add_argument(
-        "--save-stall", type=_positive_duration, metavar="S", help="training stall per checkpoint"
+        "--save-stall", type=_duration, metavar="S",
+        help="training stall per checkpoint (0: free saves, the idealized model)"
     )
     costs.add_argument(
         "--restart",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import trainlib
+from ray_resilient.goodput import read_events
 from ray_resilient.goodput.accounting import PARTS
 from ray_resilient import RunFailedError, list_checkpoints, random_kill_plan, recommended_ray_config
 from ray_resilient.testing import Driver, DriverError, LocalRayCluster, SyntheticBatches, wait_until
@@ -251,6 +252,10 @@ def test_exhausted_max_failures_raise_a_clear_error_and_keep_every_committed_che
     # A save staged while checkpoint 10 was still being written may be left partial by the kill
     # (it is never loaded, and the next start collects it); nothing older than 10 is.
     assert all(c.step > 10 for c in found if not c.complete)
+    # The last attempt died on its writer's thread the moment checkpoint 10 was durable, before its
+    # loop collected the save: the ledger, and so the timeline, still marks checkpoint 10 durable.
+    events = read_events(pafs.LocalFileSystem(), str(storage / "exhausted"))
+    assert 10 in {e["step"] for e in events if e["kind"] == "durable"}
     message = str(failure.value)
     assert "max_failures=1" in message and f"{checkpoints[-1].path} (step 10)" in message
     assert "start the driver again with the same name" in message
@@ -272,7 +277,7 @@ def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wast
     from mlflow.tracking import MlflowClient
     from ray.train.torch import TorchTrainer
 
-    from ray_resilient.goodput import account, read_events
+    from ray_resilient.goodput import account
     from ray_resilient.tracking import RUN_TAG
 
     storage = tmp_path / "storage"

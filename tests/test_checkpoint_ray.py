@@ -9,6 +9,7 @@ import textwrap
 import pyarrow.fs as pafs
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import trainlib
 from ray_resilient import list_checkpoints
@@ -249,5 +250,18 @@ def test_auto_interval_is_dalys_for_the_measured_stall_and_step_time(tmp_path):
         recent = [step_seconds[s] for s in range(max(1, save["step"] - 49), save["step"] + 1)]
         expected = interval_steps_for(mtbf, save["t"] - save["t_start"], median(recent))
         assert abs(following["step"] - save["step"] - expected) <= 1, (save, following, expected)
-    steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "storage" / "auto"))]
-    assert steps == [s["step"] for s in saves]
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "storage" / "auto"))
+    assert [c.step for c in checkpoints] == [s["step"] for s in saves]
+    # The run resumed with one more epoch continues at the interval its checkpoint was saved
+    # under, instead of measuring again from a first save 10 steps in.
+    carried = {"train_state": {"interval_steps": 0}}
+    dcp.load(carried, checkpoint_id=checkpoints[-1].path, no_dist=True)
+    interval = carried["train_state"]["interval_steps"]
+    assert interval >= 1
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "rec", interval="auto", mtbf_s=mtbf,
+                                                                     step_seconds=0.05, epochs=3),
+                              str(tmp_path / "storage"), "auto", num_to_keep=None)
+    assert result.error is None
+    events = read_events(pafs.LocalFileSystem(), str(tmp_path / "storage" / "auto"))
+    resumed = [e["step"] for e in events if e["kind"] == "save" and e["rank"] == 0 and e["step"] > 24]
+    assert resumed[0] == 24 + interval, (resumed, interval)

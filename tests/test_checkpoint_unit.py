@@ -46,6 +46,31 @@ def save(writer: AsyncCheckpointWriter, components: TrainingComponents, step: in
     return writer.collect()[-1]
 
 
+def test_a_save_is_reported_durable_as_soon_as_it_is_not_when_collected(storage):
+    """The goodput timeline's durable marker comes from this callback: a process killed before
+    its next collection must already have reported its last durable save."""
+    import threading
+    import time
+
+    reported: list[tuple[int, float, str]] = []
+    done = threading.Event()
+
+    def on_durable(step: int, t: float) -> None:
+        reported.append((step, t, threading.current_thread().name))
+        done.set()
+
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage), on_durable=on_durable)
+    before = time.time()
+    writer.save(make_components(0).state_to_save(TrainState(step=7), rank=0), 7, checkpoint_dir_name(7, 0))
+    assert done.wait(60), "no durable report before collect()"
+    [(step, t, thread)] = reported
+    assert step == 7 and before <= t <= time.time() and thread.startswith("ray_resilient_ckpt")
+    assert list_checkpoints(storage.filesystem, storage.experiment_path)[0].complete  # durable means complete
+    assert writer.collect()[-1].ok and len(reported) == 1
+    failing = AsyncCheckpointWriter(storage, 0, no_faults(storage, "fail_write:upload=9"), on_durable=on_durable)
+    assert not save(failing, make_components(0), 9).ok and len(reported) == 1  # a failed save is not reported
+
+
 def test_checkpoint_names_sort_by_step_then_attempt():
     assert parse_checkpoint_dir_name(checkpoint_dir_name(42, 3)) == (42, 3)
     assert parse_checkpoint_dir_name("checkpoint_2026-11-29_17-00-00.000000") is None
@@ -175,6 +200,38 @@ def test_replicated_tensors_are_dealt_to_ranks_disjointly_and_completely():
     assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == {"a", "b.c", "b.d", "e"}
     assert owned == [{"a", "e"}, {"b.c", "b.d"}]  # 440 bytes each: dealt largest first, by size
     assert all(share["b"]["n"] == 3 for share in shares)  # non-tensors stay everywhere (DCP dedups them)
+
+
+def test_the_save_interval_rides_in_the_checkpoint_and_a_checkpoint_from_before_it_still_loads(storage):
+    """``"auto"`` continues at the interval it had chosen; checkpoints written before the
+    train state had that field load with it unrecorded (0)."""
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
+    components = make_components(0)
+    older = components.state_to_save(TrainState(step=5), rank=0)
+    del older["train_state"]["interval_steps"]  # what a checkpoint of the previous version holds
+    writer.save(older, 5, checkpoint_dir_name(5, 0))
+    writer.collect()
+    plan = find_complete_checkpoints(storage, registered_path=None)
+    loaded = load_newest_loadable(storage, plan.candidates, make_components(1), 0, 1, None)
+    assert loaded is not None and loaded[1].step == 5 and loaded[1].interval_steps == 0
+    assert save(writer, components, 9) is not None
+    writer.save(components.state_to_save(TrainState(step=12, interval_steps=23), rank=0), 12,
+                checkpoint_dir_name(12, 0))
+    writer.collect()
+    plan = find_complete_checkpoints(storage, registered_path=None)
+    loaded = load_newest_loadable(storage, plan.candidates, make_components(1), 0, 1, None)
+    assert loaded is not None and (loaded[1].step, loaded[1].interval_steps) == (12, 23)
+
+
+def test_a_restored_auto_policy_continues_at_its_saved_interval_and_a_fixed_one_keeps_its_own():
+    from ray_resilient.checkpoint.save_policy import SavePolicy
+
+    auto = SavePolicy("auto", mtbf_s=600.0)
+    auto.restored(30, interval_steps=17)
+    assert auto.interval_steps == 17 and [s for s in range(31, 70) if auto.due(s)][:1] == [47]
+    fixed = SavePolicy(5)
+    fixed.restored(30, interval_steps=17)
+    assert fixed.interval_steps == 5 and [s for s in range(31, 41) if fixed.due(s)] == [35, 40]
 
 
 @pytest.mark.parametrize("interval, mtbf_s, preemption_check_steps, error", [

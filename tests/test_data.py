@@ -648,15 +648,24 @@ def test_loader_logs_fetch_seconds_and_cache_metrics_to_mlflow(image_dir, tmp_pa
         reported.append(metrics)
         mlflow_metrics(metrics, step)
 
+    # An attempt killed after 5 batches, and the restarted one resuming from its position: the
+    # steps continue where the first attempt's ended instead of starting again at 1.
+    first = VolumeDataLoader(dataset, num_workers=2, log_every=2, metrics_logger=log)
+    batches = iter(first)
+    for _ in range(5):
+        next(batches)
+    position = first.state_dict()
+    del batches
     loader = VolumeDataLoader(dataset, num_workers=2, log_every=2, metrics_logger=log)
+    loader.load_state_dict(position)
     list(loader)
     again = MlflowMetrics("data-run", tracking_uri=uri)  # a restarted attempt finds the same run
     history = again.client.get_metric_history(again.run_id, "data/fetch_seconds")
-    assert [m.step for m in history] == [2, 4, 6, 8, 10]
+    assert [m.step for m in history] == list(range(2, dataset.batches_per_epoch(0) + 1, 2))
     assert all(m.value >= 0 for m in history)
     misses = again.client.get_metric_history(again.run_id, "data/cache_misses")
     assert [m.value for m in misses] == [r["cache_misses"] for r in reported]
-    assert 0 < misses[-1].value <= loader.metrics.cache.misses
+    assert misses[0].value > 0 and misses[-1].value <= loader.metrics.cache.misses  # each attempt its own counts
 
 
 def test_an_mlflow_outage_neither_blocks_nor_fails_the_loop(image_dir, tmp_path, monkeypatch, caplog):

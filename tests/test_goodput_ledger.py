@@ -142,10 +142,14 @@ def test_an_upload_to_slow_storage_never_holds_up_record(tmp_path):
     assert kinds == ["attempt_start"] + ["step"] * 100  # nothing lost: the next upload took the rest
 
 
-def test_measured_inputs_are_the_medians_of_the_run(local_run):
+# Each attempt's start, to its first work, plus its restore: the job's first start and two restarts.
+STARTS = ((3 - 0) + 1, (13 - 8.5) + 1, (23 - 16.5) + 0.5)
+
+
+def test_measured_inputs_are_the_runs_medians_and_its_mean_start(local_run):
     measured = measured_inputs(local_run)
     assert measured.save_stall_s == pytest.approx(0.5)
-    assert measured.restart_s == pytest.approx(((13 - 8.5) + 1 + (23 - 16.5) + 0.5) / 2)  # median of 5.5 and 7
+    assert measured.restart_s == pytest.approx(sum(STARTS) / 3)  # the first start counts as a restart
     assert measured.step_s == pytest.approx(1.0)  # kept steps less data wait: 0.8, 1, 1, 1, 0.5
     assert measured.durable_latency_s == pytest.approx(7.6 - 6.0)  # the one save seen durable: started at 6.0
 
@@ -253,7 +257,7 @@ def test_plan_from_run_takes_the_measured_costs_and_options_override_them(local_
 
     assert main(["goodput", "plan", "--mtbf-hours", "3", "--from-run", local_run, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert (result["save_stall_s"], result["restart_s"], result["step_s"]) == pytest.approx((0.5, 6.25, 1.0))
+    assert (result["save_stall_s"], result["restart_s"], result["step_s"]) == pytest.approx((0.5, sum(STARTS) / 3, 1.0))
     assert result["recommended_interval_steps"] == round(daly_interval(0.5, 3 * 3600) / 1.0)
     assert main(["goodput", "plan", "--mtbf-hours", "3", "--from-run", local_run, "--restart", "1m", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["restart_s"] == 60

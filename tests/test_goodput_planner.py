@@ -145,7 +145,7 @@ def test_the_interval_is_never_shorter_than_a_save_takes_to_become_durable():
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: young_interval(0, 100),
+        lambda: young_interval(-1, 100),
         lambda: daly_interval(10, 0),
         lambda: expected_goodput(0, 10, 0, 100),
         lambda: expected_goodput(100, -1, 0, 100),
@@ -212,6 +212,21 @@ def test_make_plan_leaves_what_it_cannot_know_none():
     assert plan.goodput is None and plan.optimal_goodput is not None
     assert plan.recommended_interval_s == plan.daly_interval_s
     assert plan.recommended_interval_steps is None
+
+
+def test_free_saves_have_no_optimum_above_zero_and_recommend_the_shortest_interval_saves_allow():
+    mtbf = DAY_S / 8.6
+    assert young_interval(0, mtbf) == 0 and daly_interval(0, mtbf) == 0
+    plan = make_plan(mtbf, save_stall_s=0, interval_s=7200)
+    assert plan.goodput == pytest.approx(1 - 3600 / mtbf)  # the brief's 64%
+    assert plan.optimal_goodput is None and plan.recommended_interval_s is None
+    # No optimum to centre the table on: it spans the given interval, 1/8x to 8x.
+    assert [row.interval_s for row in plan.table] == [7200 * f for f in (0.125, 0.25, 0.5, 1, 2, 4, 8)]
+    assert [row.label for row in plan.table if row.label] == ["given"]
+    assert make_plan(mtbf, save_stall_s=0).table == ()
+    assert make_plan(mtbf, save_stall_s=0, step_s=3.0).recommended_interval_steps == 1  # every step
+    slow_uploads = make_plan(mtbf, save_stall_s=0, step_s=3.0, durable_latency_s=600)
+    assert slow_uploads.recommended_interval_steps == 200 and slow_uploads.recommended_interval_s == 600
 
 
 def test_plan_from_measured_uses_the_measured_costs():
@@ -296,6 +311,27 @@ def test_cli_human_report_with_an_aligned_table(capsys):
     assert "given" in table[-1] and "4800" in table[-1]  # 2 h = 4800 steps, the longest
 
 
+@pytest.mark.parametrize("interval", ["2h", "30m"])
+def test_cli_reproduces_the_brief_figures_with_free_saves_and_no_restart(capsys, interval):
+    args = ("--failures-per-day", "8.6", "--interval", interval, "--save-stall", "0", "--restart", "0")
+    expected = 1 - parse_duration(interval) / 2 / (DAY_S / 8.6)  # half an interval lost per failure
+    assert json.loads(run_cli(capsys, *args, "--json"))["goodput"] == pytest.approx(expected)
+    out = run_cli(capsys, *args)
+    assert f"goodput                {expected:.1%}" in out
+    assert "none above 0" in out and "Daly" not in out
+
+
+def test_cli_table_prints_intervals_that_print_alike_once(capsys):
+    # S = 1 ms, M = 1 day: Young's 13.1453 s and Daly's 13.1446 s both print as 13.1s.
+    young, daly = young_interval(0.001, DAY_S), daly_interval(0.001, DAY_S)
+    assert young != daly and f"{young:.3g}" == f"{daly:.3g}"
+    out = run_cli(capsys, "--mtbf-hours", "24", "--save-stall", "1ms")
+    table = out[out.index("  interval"):].splitlines()[1:]
+    labelled = [row for row in table if "Young" in row or "Daly" in row]
+    assert len(labelled) == 1 and labelled[0].endswith("Daly (optimal), Young")
+    assert len({row.split()[0] for row in table}) == len(table) == 7  # one row per factor, none twice
+
+
 def test_cli_report_without_save_stall_says_what_to_pass(capsys):
     out = run_cli(capsys, "--mtbf-hours", "3")
     assert "pass --days" in out and "pass --save-stall" in out
@@ -315,7 +351,7 @@ def test_cli_report_without_save_stall_says_what_to_pass(capsys):
         (("--mtbf-hours", "3", "--days", "-1"), "--days: must be > 0"),
         (("--mtbf-hours", "3", "--restart=-5s"), "invalid duration '-5s'"),
         (("--mtbf-hours", "3", "--interval", "0"), "--interval: must be > 0"),
-        (("--mtbf-hours", "3", "--save-stall", "0s"), "--save-stall: must be > 0"),
+        (("--mtbf-hours", "3", "--save-stall=-1s"), "invalid duration '-1s'"),
         (("--mtbf-hours", "3", "--interval", "5 minutes"), "invalid duration '5 minutes'"),
     ],
 )

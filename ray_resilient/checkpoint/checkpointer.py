@@ -58,7 +58,6 @@ class _InFlight:
     """A save started and not yet collected: what is reported with it, and its stall."""
 
     metrics: dict[str, Any]
-    wall_started: float
     stall_seconds: float
     stall_phases: dict[str, float]
 
@@ -169,7 +168,8 @@ class Checkpointer:
         # Rank 0 holds the run directory's lease (one writer per run) from restore() to close().
         self._lease = RunLease(self.storage.filesystem, self.storage.experiment_path, train_run_id())
         self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
-                                             write_threads=write_threads, before_commit=self._lease.check)
+                                             write_threads=write_threads, before_commit=self._lease.check,
+                                             on_durable=self.goodput.durable)
         # The training thread's own collectives (which saves finished, the auto interval): the
         # writer's group is busy on its thread, and the training group may be NCCL.
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
@@ -250,7 +250,7 @@ class Checkpointer:
             self._restored(wall_started)
             return self.train_state
         ckpt, saved = loaded
-        self.train_state = TrainState(saved.step, saved.epoch, self.world_size, saved.seed)
+        self.train_state = TrainState(saved.step, saved.epoch, self.world_size, saved.seed, saved.interval_steps)
         self._last_saved_step = saved.step
         older = {c.path for c in plan.candidates if c < ckpt}
         if registered_path is None or registered_path in older:
@@ -263,7 +263,7 @@ class Checkpointer:
         return self.train_state
 
     def _restored(self, wall_started: float) -> None:
-        self.policy.restored(self.train_state.step)
+        self.policy.restored(self.train_state.step, self.train_state.interval_steps)
         self.goodput.restored(wall_started, self.train_state.step)
         self._fetch_seen = self._data_fetch_seconds()
         self._mark = time.time()
@@ -368,6 +368,7 @@ class Checkpointer:
             return None
         self._deferred = False
         step = self.train_state.step
+        self.train_state.interval_steps = self.policy.interval_steps
         with self._phase("build state dict"):
             state = self.components.state_to_save(self.train_state, self.rank)
         with self._phase("staging copy"):
@@ -377,7 +378,7 @@ class Checkpointer:
         self.last_stall_seconds = time.monotonic() - started
         self._in_flight.append(_InFlight({**metrics, "step": step, "epoch": self.train_state.epoch,
                                           "checkpoint_stall_seconds": self.last_stall_seconds},
-                                         wall_started, self.last_stall_seconds, dict(self._phases)))
+                                         self.last_stall_seconds, dict(self._phases)))
         results = self._collect_saves(wait=True) if wait else []
         self.goodput.save(step, wall_started, time.time())
         return results[-1] if results else None
@@ -403,7 +404,6 @@ class Checkpointer:
                 self._failed_in_a_row = 0
                 self.checkpoints_committed += 1
                 self.last_save = result
-                self.goodput.durable(result.step, started.wall_started + result.durable_seconds)
                 self._register(result.path, {
                     **started.metrics,
                     "checkpoint_stage_seconds": result.stage_seconds,

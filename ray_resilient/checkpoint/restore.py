@@ -142,7 +142,9 @@ def _load(
 
     def header() -> tuple[TrainState, Metadata]:
         metadata = storage.reader(path).read_metadata()  # first: its refusal names what it refers to
-        box = {TRAIN_STATE: TrainState().state_dict()}
+        # The fields this checkpoint has: one written before a field was added still loads.
+        box = {TRAIN_STATE: {key: value for key, value in TrainState().state_dict().items()
+                             if f"{TRAIN_STATE}.{key}" in metadata.state_dict_metadata}}
         _read(storage, path, box, group)
         saved = TrainState()
         saved.load_state_dict(box[TRAIN_STATE])

@@ -53,8 +53,12 @@ class SavePolicy:
         self._next_auto_save = AUTO_FIRST_STEPS
         self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
 
-    def restored(self, step: int) -> None:
-        """The run continues after ``step``: the next interval counts from there."""
+    def restored(self, step: int, interval_steps: int = 0) -> None:
+        """The run continues after ``step``; ``interval_steps`` is the interval its checkpoint was
+        saved under (0: none recorded). ``"auto"`` continues with it, instead of measuring again
+        from :data:`AUTO_FIRST_STEPS`; the next interval counts from ``step``."""
+        if self.auto and interval_steps > 0:
+            self.interval_steps = interval_steps
         self._next_auto_save = step + self.interval_steps
 
     def step_finished(self, seconds: float) -> None:

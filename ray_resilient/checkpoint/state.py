@@ -7,7 +7,7 @@ Layout of the DCP state dict (all plain DCP, loadable without this package)::
     lr_scheduler          scheduler.state_dict()            (when given)
     grad_scaler           torch.amp.GradScaler.state_dict() (when given and enabled)
     extras.<name>         each user Stateful's state_dict()
-    train_state           {"step", "epoch", "world_size", "seed"}
+    train_state           {"step", "epoch", "world_size", "seed", "interval_steps"}
     rank_state.rank_<r>   per rank: {"rng": ..., "data": ..., "buffers": ...}
 
 Per-rank state lives under per-rank keys: under one shared key DCP would deduplicate it and only
@@ -53,6 +53,7 @@ class TrainState:
     epoch: int = 0
     world_size: int = 1
     seed: int = 0
+    interval_steps: int = 0  # the save interval in effect ("auto" continues with it); 0: not recorded
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self)

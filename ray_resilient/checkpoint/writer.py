@@ -91,10 +91,14 @@ class AsyncCheckpointWriter:
             faster than 1 on a 2-core VM, ``benchmarks/gpu_checkpoint.py``).
         before_commit: called on rank 0 before it commits a checkpoint (writes ``.metadata``);
             what it raises fails the save (the run's lease check).
+        on_durable: called with the step and the wall time on the writer's thread as soon as every
+            rank made a save durable, before it is collected (a process killed before the next
+            collection still recorded it).
     """
 
     def __init__(self, storage: CheckpointStorage, rank: int, faults: FaultInjector, *,
-                 staging_buffers: int = 2, write_threads: int = 4, before_commit: Callable[[], None] = lambda: None):
+                 staging_buffers: int = 2, write_threads: int = 4, before_commit: Callable[[], None] = lambda: None,
+                 on_durable: Callable[[int, float], None] = lambda step, t: None):
         if staging_buffers < 1 or write_threads < 1:
             raise ValueError(f"staging_buffers and write_threads must be >= 1, got {staging_buffers}, {write_threads}")
         self.storage = storage
@@ -102,6 +106,7 @@ class AsyncCheckpointWriter:
         self.faults = faults
         self.write_threads = write_threads
         self.before_commit = before_commit
+        self.on_durable = on_durable
         distributed = dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
         self._stagers = [HostStager() for _ in range(staging_buffers)]  # pinned when the state is on CUDA
@@ -201,6 +206,7 @@ class AsyncCheckpointWriter:
         durable_seconds = time.monotonic() - started
         if ok:
             logger.info("Checkpoint %s durable %.3fs after the save began", path, durable_seconds)
+            self.on_durable(step, time.time())
             self.faults.fire("durable", step)
             if self.rank == 0:
                 attempt("collecting partial checkpoints", lambda: delete_partial_checkpoints(

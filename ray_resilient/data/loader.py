@@ -63,8 +63,8 @@ class VolumeDataLoader(DataLoader):
         pin_memory: pin batches for fast host-to-GPU copies (default: when CUDA is available).
         persistent_workers: keep workers (and their prefetch windows and threads) across epochs.
         prefetch_factor: batches each worker prepares ahead.
-        metrics_logger: called on rank 0 with (metrics, batches so far) every ``log_every``
-            batches: ``"mlflow"`` (the default: the MLflow run of the current Ray Train run,
+        metrics_logger: called on rank 0 with (metrics, :attr:`global_batches`) every
+            ``log_every`` global batches of the run: ``"mlflow"`` (the default: the MLflow run of the current Ray Train run,
             metric names prefixed ``data/``, from a background thread, so an MLflow outage never
             blocks or fails the loop), a callable, or None (see
             :func:`ray_resilient.tracking.resolve_metrics_logger`).
@@ -115,6 +115,14 @@ class VolumeDataLoader(DataLoader):
         :class:`~ray_resilient.checkpoint.hooks.DataWaitSource`)."""
         return self.metrics.fetch_seconds
 
+    @property
+    def global_batches(self) -> int:
+        """Global batches the run received so far, over every epoch and attempt: the training
+        step when each batch is one step. Metrics are logged against it, so that curves continue
+        across restarts."""
+        dataset = self.volume_dataset
+        return sum(dataset.batches_per_epoch(epoch) for epoch in range(self.epoch)) + self.batch
+
     def __len__(self) -> int:
         return self.volume_dataset.batches_per_epoch(self.epoch) - self.batch
 
@@ -148,8 +156,8 @@ class VolumeDataLoader(DataLoader):
         m.cache.misses += cache.misses
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
-        if self.metrics_logger is not None and m.batches % self.log_every == 0:
-            self.metrics_logger(m.as_dict(), m.batches)
+        if self.metrics_logger is not None and self.global_batches % self.log_every == 0:
+            self.metrics_logger(m.as_dict(), self.global_batches)
 
     # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------
 

@@ -81,7 +81,12 @@ class Breakdown:
     kept_step_seconds: list[float] = field(default_factory=list, repr=False)
     save_stalls: list[float] = field(default_factory=list, repr=False)
     durable_latencies: list[float] = field(default_factory=list, repr=False)  # each save's start to durable
-    restarts: list[float] = field(default_factory=list, repr=False)  # init_restart + restore of each restart
+    starts: list[float] = field(default_factory=list, repr=False)  # each attempt's init_restart + restore
+
+    @property
+    def restarts(self) -> list[float]:
+        """The start costs of the attempts after the first: the whole cost of each restart."""
+        return self.starts[1:]
 
     @property
     def goodput(self) -> float:
@@ -141,7 +146,9 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
         lost = lost_after(attempts, index)
         setup = max(0.0, attempt.first_work() - boundary)
         result.init_restart += setup
-        save_started: dict[int, float] = {}
+        # A save's durable event may come before the save's own (the writer's thread records it).
+        save_started = {e["step"]: e["t_start"] for e in attempt.events if e["kind"] == EventKind.SAVE}
+        restored = 0.0
         for event in attempt.events:
             duration = event["t"] - event.get("t_start", event["t"])
             if event["kind"] == EventKind.STEP:
@@ -157,15 +164,12 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
             elif event["kind"] == EventKind.SAVE:
                 result.save_stall += duration
                 result.save_stalls.append(duration)
-                save_started[event["step"]] = event["t_start"]
             elif event["kind"] == EventKind.DURABLE and event["step"] in save_started:
                 result.durable_latencies.append(event["t"] - save_started[event["step"]])
             elif event["kind"] == EventKind.RESTORE:
                 result.restore += duration
-                if index > 0:
-                    result.restarts.append(setup + duration)
-        if index > 0 and not any(e["kind"] == EventKind.RESTORE for e in attempt.events):
-            result.restarts.append(setup)
+                restored += duration
+        result.starts.append(setup + restored)
         if index + 1 < len(attempts) and not attempt.finished:
             result.failures += 1
         boundary = attempt.end

@@ -25,14 +25,16 @@ The model (first order, all times in seconds of wall clock):
 What it ignores: failures during a restart or during the rework after one (Daly's interval accounts
 for them, ``G`` does not), failures correlated across GPUs (a node or switch taking many GPUs down
 at once: pass a measured job-level failure rate instead), non-exponential failure laws (infant
-mortality, wear-out), variance of the save stall, ``L`` longer than a cycle, the one-off job start,
-and data-loading stalls (the goodput ledger measures those).
+mortality, wear-out), variance of the save stall, ``L`` longer than a cycle, the one-off job start
+(measured inputs count it as one more restart instead) and data-loading stalls (the goodput
+ledger measures those).
 
 **Optimal interval.** Young (1974): ``sqrt(2 S M)``. Daly (2006), higher order: for ``S < 2M``,
 ``sqrt(2 S M) * (1 + sqrt(S / 2M) / 3 + (S / 2M) / 9) - S``, else ``M``. ``G`` itself peaks at
 ``sqrt(2 S (M - R - L)) - S``; for ``S, R, L`` much smaller than ``M`` these differ by a relative
 ``sqrt(S / 2M)`` or so and ``G`` is flat near its maximum. We recommend Daly's, the established
-estimate.
+estimate. With ``S = 0`` (free saves, the idealized model) there is no optimum above 0: ``G`` only
+grows as the interval shrinks, so the advice is to save as often as saves can become durable.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from statistics import median
+from statistics import mean, median
 
 from ray_resilient.goodput.accounting import account
 from ray_resilient.goodput.ledger import load_events
@@ -126,15 +128,15 @@ def expected_goodput(
 
 
 def young_interval(save_stall_s: float, mtbf_s: float) -> float:
-    """Young's optimal checkpoint interval (s): ``sqrt(2 S M)``."""
-    _require("save_stall_s", save_stall_s, positive=True)
+    """Young's optimal checkpoint interval (s): ``sqrt(2 S M)`` (0 for free saves: no optimum above 0)."""
+    _require("save_stall_s", save_stall_s, positive=False)
     _require("mtbf_s", mtbf_s, positive=True)
     return math.sqrt(2 * save_stall_s * mtbf_s)
 
 
 def daly_interval(save_stall_s: float, mtbf_s: float) -> float:
-    """Daly's (2006) higher-order optimal checkpoint interval (s) of useful work."""
-    _require("save_stall_s", save_stall_s, positive=True)
+    """Daly's (2006) higher-order optimal checkpoint interval (s) of useful work (0 for free saves)."""
+    _require("save_stall_s", save_stall_s, positive=False)
     _require("mtbf_s", mtbf_s, positive=True)
     if save_stall_s >= 2 * mtbf_s:
         return mtbf_s
@@ -177,7 +179,9 @@ class Plan:
     """Inputs and estimates of one planning question; None where an input it needs is missing:
     the run length for the failure counts, the save stall for the optimal intervals and the
     table, the interval (and save stall) for the estimates at that interval, the step time for
-    steps."""
+    steps. A save stall of 0 has no optimal interval above 0 (``daly_interval_s`` is 0,
+    ``optimal_goodput`` None): the table then spans the given interval, and the recommendation
+    is the shortest interval saves allow (one step, or the durable latency), if one is known."""
 
     mtbf_s: float
     failures_per_day: float
@@ -213,7 +217,8 @@ def make_plan(
     """Everything the model says about a job with mean time between failures ``mtbf_s``.
 
     The recommended interval is Daly's, rounded to whole steps when ``step_s`` is known. The table
-    lists the optimum times 1/8 to 8, Young's interval and ``interval_s``, shortest first.
+    lists the optimum times 1/8 to 8, Young's interval and ``interval_s``, shortest first; with
+    free saves (``save_stall_s=0``) it lists ``interval_s`` times 1/8 to 8 instead.
     """
     _require("mtbf_s", mtbf_s, positive=True)
     _require("restart_s", restart_s, positive=False)
@@ -239,16 +244,20 @@ def make_plan(
     if save_stall_s is not None:
         young = young_interval(save_stall_s, mtbf_s)
         daly = daly_interval(save_stall_s, mtbf_s)
-        optimal = expected_goodput(daly, save_stall_s, restart_s, mtbf_s, durable_latency_s)
         # Never shorter than a save's time to durable: saves are written one after another, so
         # a shorter interval only defers them.
-        recommended = max(daly, durable_latency_s)
+        recommended = max(daly, durable_latency_s) or None  # free saves, nothing to wait for: no bound
         if step_s is not None:
             steps = interval_steps_for(mtbf_s, save_stall_s, step_s, durable_latency_s)
             recommended = steps * step_s
-        labels = {daly * f: "" for f in TABLE_FACTORS}
-        labels[young] = "Young"
-        labels[daly] = "Daly (optimal)"
+        labels: dict[float, str] = {}
+        if daly > 0:
+            optimal = expected_goodput(daly, save_stall_s, restart_s, mtbf_s, durable_latency_s)
+            labels = {daly * f: "" for f in TABLE_FACTORS}
+            labels[young] = "Young"
+            labels[daly] = "Daly (optimal)"
+        elif interval_s is not None:
+            labels = {interval_s * f: "" for f in TABLE_FACTORS}
         if interval_s is not None:
             labels[interval_s] = ", ".join(filter(None, [labels.get(interval_s), "given"]))
             given = row(interval_s, "given")
@@ -299,15 +308,17 @@ def plan_from_measured(
 
 def measured_inputs(run_dir: str) -> MeasuredInputs:
     """The planner's inputs measured by the run at ``run_dir`` (a path or URI): median save stall,
-    restart, kept step time and time from a save's start to durable.
+    mean restart, median kept step time and time from a save's start to durable.
 
     The restart is the whole cost of one: from the failed attempt's last event to the restored
-    attempt's first step (detection, new workers, restore).
+    attempt's first step (detection, new workers, restore). The job's first start (scheduling,
+    new workers, the model built) counts as one too, so a run that never failed still says what
+    a restart costs. The mean, not the median: the model charges the expected cost per failure.
     """
     breakdown = account(load_events(run_dir))
     return MeasuredInputs(
         save_stall_s=median(breakdown.save_stalls) if breakdown.save_stalls else None,
-        restart_s=median(breakdown.restarts) if breakdown.restarts else None,
+        restart_s=mean(breakdown.starts) if breakdown.starts else None,
         step_s=median(breakdown.kept_step_seconds) if breakdown.kept_step_seconds else None,
         durable_latency_s=median(breakdown.durable_latencies) if breakdown.durable_latencies else None,
     )

@@ -168,16 +168,23 @@ def format_plan(plan: Plan, source: str) -> str:
         lines += ["", "(pass --save-stall or --from-run for the optimal interval and goodput)"]
         return "\n".join(lines)
 
-    recommended = format_duration(plan.recommended_interval_s)
-    if plan.recommended_interval_steps is not None:
-        recommended += f" = {plan.recommended_interval_steps} steps"
+    steps = plan.recommended_interval_steps
+    recommended = "every step" if plan.recommended_interval_s is None else \
+        format_duration(plan.recommended_interval_s)
+    if steps is not None:
+        recommended += f" = {steps} step{'s' if steps != 1 else ''}"
     lines += ["", "Optimal interval"]
-    lines += _rows(
-        ("Young sqrt(2*S*M)", format_duration(plan.young_interval_s)),
-        ("Daly (2006)", format_duration(plan.daly_interval_s)),
-        ("goodput at Daly's", f"{plan.optimal_goodput:.1%}"),
-        ("recommended", recommended),
-    )
+    if plan.optimal_goodput is None:
+        lines += ["  none above 0: with free saves goodput only grows as the interval shrinks,",
+                  "  so save as often as saves become durable",
+                  *_rows(("recommended", recommended))]
+    else:
+        lines += _rows(
+            ("Young sqrt(2*S*M)", format_duration(plan.young_interval_s)),
+            ("Daly (2006)", format_duration(plan.daly_interval_s)),
+            ("goodput at Daly's", f"{plan.optimal_goodput:.1%}"),
+            ("recommended", recommended),
+        )
     if plan.interval_s is not None:
         lines += ["", f"At the given interval ({format_duration(plan.interval_s)})"]
         lines += _rows(
@@ -186,17 +193,24 @@ def format_plan(plan: Plan, source: str) -> str:
             ("goodput", f"{plan.goodput:.1%}"),
         )
 
+    if not plan.table:
+        lines += ["", "(pass --interval for a table of intervals around it)"]
+        return "\n".join(lines)
     steps = plan.step_s is not None
     table = [["interval", *(["steps"] if steps else []), "lost/failure", "lost/day", "goodput", ""]]
     for row in plan.table:
-        table.append([
+        cells = [
             format_duration(row.interval_s),
             *([f"{row.interval_s / plan.step_s:.0f}"] if steps else []),
             format_duration(row.lost_per_failure_s),
             format_duration(row.lost_per_day_s),
             f"{row.goodput:.1%}",
             row.label,
-        ])
+        ]
+        if cells[:-1] == table[-1][:-1]:  # two intervals that print alike (Young's and Daly's): one row
+            table[-1][-1] = ", ".join(filter(None, [table[-1][-1], row.label]))
+        else:
+            table.append(cells)
     widths = [max(len(cells[i]) for cells in table) for i in range(len(table[0]))]
     lines.append("")
     for cells in table:
