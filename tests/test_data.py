@@ -659,6 +659,7 @@ def test_loader_logs_fetch_seconds_and_cache_metrics_to_mlflow(image_dir, tmp_pa
     loader = VolumeDataLoader(dataset, num_workers=2, log_every=2, metrics_logger=log)
     loader.load_state_dict(position)
     list(loader)
+    assert (loader.epoch, loader.global_batches) == (1, dataset.batches_per_epoch(0))
     again = MlflowMetrics("data-run", tracking_uri=uri)  # a restarted attempt finds the same run
     history = again.client.get_metric_history(again.run_id, "data/fetch_seconds")
     assert [m.step for m in history] == list(range(2, dataset.batches_per_epoch(0) + 1, 2))

@@ -100,6 +100,7 @@ class VolumeDataLoader(DataLoader):
         )
         self.epoch = 0
         self.batch = 0  # global batches of this epoch the training loop received
+        self._batches_before = (0, 0)  # (epoch, global batches of the epochs before it)
         self.metrics = LoaderMetrics()
         self.metrics_logger = resolve_metrics_logger(metrics_logger, prefix="data/", name="data",
                                                      enabled=dataset.rank == 0)
@@ -120,8 +121,10 @@ class VolumeDataLoader(DataLoader):
         """Global batches the run received so far, over every epoch and attempt: the training
         step when each batch is one step. Metrics are logged against it, so that curves continue
         across restarts."""
-        dataset = self.volume_dataset
-        return sum(dataset.batches_per_epoch(epoch) for epoch in range(self.epoch)) + self.batch
+        if self._batches_before[0] != self.epoch:  # once per epoch: a Parquet plan's count takes a pass
+            dataset = self.volume_dataset
+            self._batches_before = (self.epoch, sum(dataset.batches_per_epoch(e) for e in range(self.epoch)))
+        return self._batches_before[1] + self.batch
 
     def __len__(self) -> int:
         return self.volume_dataset.batches_per_epoch(self.epoch) - self.batch
