@@ -387,6 +387,14 @@ cmd_down() {
     return 0
   fi
   stop_all
+  # `ray start` left Ray's address file naming this head in each node's temp dir; `ray.init()`
+  # with no address follows it (and retries the dead head for minutes): remove what names it.
+  local base=${RAY_TEMP_DIR:-${TMPDIR:-/tmp}/ray} pointer
+  for pointer in "$base/ray_current_cluster" "$base"-worker-*/ray_current_cluster; do
+    if [[ -f $pointer ]] && [[ $(<"$pointer") == *":$RAY_PORT" ]]; then
+      rm -f "$pointer"
+    fi
+  done
   echo "Local cluster down (its data stays in $STATE)."
 }
 

@@ -22,7 +22,7 @@ import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
-from ray_resilient import Checkpointer
+from ray_resilient import Checkpointer, connect_ray
 from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    ray.init(address=args.ray_address)
+    connect_ray(args.ray_address)
     trainer = TorchTrainer(
         train_fn,
         train_loop_config={key: getattr(args, key) for key in (

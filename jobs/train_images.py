@@ -34,7 +34,7 @@ from ray.train.torch import TorchTrainer, get_device, prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from ray_resilient import Checkpointer, recommended_ray_config
+from ray_resilient import Checkpointer, connect_ray, recommended_ray_config
 from ray_resilient.data import (
     StreamingConfig,
     Volume,
@@ -261,11 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
     tracking_uri = default_tracking_uri()
     os.environ["MLFLOW_TRACKING_URI"] = tracking_uri  # the workers log to the same store
+    # First, so that a cluster that is gone fails in seconds, before any work.
+    connect_ray(args.ray_address, runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking_uri}})
     volume = args.volume or generate_default_volume(os.path.abspath("data/shapes"), args.per_class, args.classes,
                                                     args.image_size, args.seed)
-    # As --help says: RAY_ADDRESS, else a new local instance (never a leftover cluster's address file).
-    ray.init(address=args.ray_address or os.environ.get("RAY_ADDRESS") or "local",
-             runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking_uri}})
     ray_config = recommended_ray_config(args.name, args.storage_path, workers=(args.min_workers, args.max_workers),
                                         use_gpu=args.use_gpu, max_failures=args.max_failures,
                                         num_to_keep=args.num_to_keep)

@@ -25,6 +25,8 @@ _EXPORTS = {
     "InjectedFault": "faults",
     "parse_faults": "faults",
     "random_kill_plan": "faults",
+    "RayUnreachableError": "connect",
+    "connect_ray": "connect",
     "ResilientRayConfig": "ray_config",
     "RunFailedError": "ray_config",
     "recommended_ray_config": "ray_config",

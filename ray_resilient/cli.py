@@ -47,7 +47,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_goodput_plan(goodput_commands)
     _add_goodput_report(goodput_commands)
+    _add_status(commands)
     return parser
+
+
+def _add_status(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "status", help="a run's checkpoints, attempts and goodput so far, and what a restart would load",
+        description="Where a run stands, read from its directory alone (no Ray): each checkpoint (complete "
+        "or partial, step, attempt, size, whether Ray registered it, whether its shards verify), each "
+        "attempt (world size, where it resumed, how it ended), the goodput so far and the checkpoint a "
+        "restart would load.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="<storage_path>/<run name>: a path or URI (s3://...)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=functools.partial(_status, parser))
+
+
+def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ray_resilient.status import format_status, run_status
+
+    try:
+        status = run_status(args.run_dir)
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    print(json.dumps(dataclasses.asdict(status), indent=2) if args.json else format_status(status))
+    return 0
 
 
 # Argument types: argparse reports an ArgumentTypeError's message as is.

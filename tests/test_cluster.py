@@ -262,7 +262,7 @@ def local_cluster_run(tmp_path_factory):
         "RAY_RESILIENT_S3_PORT": str(free_port()), "RAY_RESILIENT_MLFLOW_PORT": str(free_port()),
     }
     env = clean_env(**settings)
-    seen: dict = {"times": {}}
+    seen: dict = {"times": {}, "ray_port": settings["RAY_RESILIENT_RAY_PORT"]}
     started = time.monotonic()
     try:
         up = local_sh("up", "--workers", "1", "--cpus", "1", env=env, timeout=400)
@@ -312,11 +312,20 @@ def local_cluster_run(tmp_path_factory):
             seen["collect_error"] = repr(err)
 
         processes = process_tree(list(seen["pids"].values()))
+        # Ray's address file, which `ray.init()` without an address follows, in each node's temp dir.
+        pointers = [Path(ray_temp) / "ray_current_cluster", Path(f"{ray_temp}-worker-1") / "ray_current_cluster"]
+        seen["pointers_before_down"] = [p.read_text() if p.exists() else None for p in pointers]
         t = time.monotonic()
         seen["down"] = local_sh("down", env=env, timeout=180)
         seen["times"]["down"] = time.monotonic() - t
         seen["left_running"] = running(processes)
         seen["left_pid_files"] = sorted(p.name for p in (state / "pids").glob("*.pid"))
+        seen["pointers_after_down"] = [p.exists() for p in pointers]
+        # The main job in the shell that exported `up`'s environment, after `down`.
+        t = time.monotonic()
+        seen["job_after_down"] = subprocess.run([str(VENV_BIN / "python"), str(REPO / "jobs" / "train_images.py")],
+                                                env=job_env, cwd=state, capture_output=True, text=True, timeout=300)
+        seen["times"]["job_after_down"] = time.monotonic() - t
         seen["times"]["total"] = time.monotonic() - started
         print("local cluster end to end, seconds:", json.dumps({k: round(v) for k, v in seen["times"].items()}))
         yield seen
@@ -425,3 +434,16 @@ def test_down_stops_everything_up_started(local_cluster_run):
         assert f"stopped {name}" in seen["down"].stdout
     assert not seen["left_running"], f"still running after down: {sorted(seen['left_running'])}"
     assert not seen["left_pid_files"]
+
+
+@pytest.mark.slow
+def test_down_leaves_no_pointer_to_the_stopped_cluster_and_a_job_sent_there_fails_in_seconds(local_cluster_run):
+    seen = local_cluster_run
+    exported = seen["client_env"]["RAY_ADDRESS"]
+    head_pointer = seen["pointers_before_down"][0]
+    assert head_pointer is not None and head_pointer.endswith(f":{seen['ray_port']}")  # `up` left one
+    assert seen["pointers_after_down"] == [False, False]
+    job = seen["job_after_down"]
+    assert job.returncode != 0 and seen["times"]["job_after_down"] < 60
+    assert f"no Ray cluster answers at {exported}" in job.stderr, job.stderr[-3000:]
+    assert "unset RAY_ADDRESS and leave out --ray-address" in job.stderr

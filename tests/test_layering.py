@@ -7,7 +7,8 @@ layers, bottom up (README, "How it fits together"):
   filesystem, a run's storage), ``faults``, ``tracking``;
 - ``data`` and ``goodput``, which know nothing of each other or of checkpoints;
 - ``spare_workers``; then ``checkpoint``, which feeds the goodput ledger;
-- the front: ``ray_config``, ``cli``, the package's lazy ``__init__``; beside it ``testing``, the rig.
+- the front: ``ray_config``, ``connect`` (a driver's ``ray.init``), ``status`` (where a run
+  stands), ``cli``, the package's lazy ``__init__``; beside it ``testing``, the rig.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ ALLOWED = {
     "spare_workers": BASE,
     "checkpoint": BASE | {"goodput", "spare_workers"},
     "ray_config": BASE | {"checkpoint", "goodput", "spare_workers"},
-    "cli": BASE | {"checkpoint", "goodput"},
-    "__init__": BASE | {"checkpoint", "ray_config"},
+    "connect": set(),
+    "status": BASE | {"checkpoint", "goodput"},
+    "cli": BASE | {"checkpoint", "goodput", "status"},
+    "__init__": BASE | {"checkpoint", "ray_config", "connect"},
     "testing": BASE | {"checkpoint", "data", "goodput", "spare_workers", "ray_config"},
 }
 RAY_INTERNALS = ("ray._private", "ray._raylet", "ray.core.generated", "ray.train.v2._internal")

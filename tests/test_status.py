@@ -1,0 +1,103 @@
+"""``ray-resilient status RUN_DIR``: a run's checkpoints, attempts, goodput and restart point, on
+local storage and on S3 (SeaweedFS), from real DCP checkpoints and a real goodput ledger."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from ray_resilient.checkpoint.layout import checkpoint_dir_name
+from ray_resilient.checkpoint.state import TrainingComponents, TrainState
+from ray_resilient.checkpoint.storage import CheckpointStorage
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
+from ray_resilient.cli import main
+from ray_resilient.faults import FaultInjector
+from ray_resilient.goodput.ledger import LedgerWriter
+from ray_resilient.storage.run import RunStorage
+
+
+def write_run(filesystem: pafs.FileSystem, run_dir: str, local_dir: str) -> dict[str, str]:
+    """Attempt 1 (2 workers) saves steps 5 and 10, then fails; attempt 2 (1 worker) restores 10 and
+    is killed while saving 15 (partial). Checkpoint 10 is then truncated on storage. Returns the paths."""
+    storage = CheckpointStorage(filesystem, run_dir, local_dir)
+    writer = AsyncCheckpointWriter(storage, 0, FaultInjector([], 0, filesystem, f"{run_dir}/.faults"))
+    torch.manual_seed(0)
+    components = TrainingComponents(torch.nn.Linear(64, 64))
+    for step in (5, 10):
+        writer.save(components.state_to_save(TrainState(step=step), rank=0), step, checkpoint_dir_name(step, 0))
+    assert all(result.ok for result in writer.collect())
+    writer.close()
+    filesystem.create_dir(f"{run_dir}/{checkpoint_dir_name(15, 1)}")  # a save that never finished
+    paths = {step: f"{run_dir}/{checkpoint_dir_name(step, 0)}" for step in (5, 10)}
+    shard = next(i for i in filesystem.get_file_info(pafs.FileSelector(paths[10])) if i.base_name.endswith(".distcp"))
+    with filesystem.open_input_stream(shard.path) as stream:
+        data = stream.read()
+    with filesystem.open_output_stream(shard.path) as out:
+        out.write(data[: len(data) // 2])
+
+    def ledger(rank: int = 0) -> LedgerWriter:
+        return LedgerWriter(RunStorage(filesystem, run_dir, local_dir), rank, upload_seconds=0.05)
+
+    first = ledger()
+    first.record("attempt_start", t=1.0, world_size=2)
+    first.record("restore", t=2.0, t_start=1.5, step=0)
+    for step in range(1, 13):
+        first.record("step", t=2.0 + step, t_start=1.0 + step, step=step, data_wait=0.0)
+    first.record("registered", t=8.0, step=5)
+    first.record("registered", t=13.0, step=10)
+    first.close()
+    other_rank = ledger(rank=1)
+    other_rank.record("failure", t=14.5, error="RuntimeError: injected")
+    other_rank.close()
+    second = ledger()
+    second.record("attempt_start", t=20.0, world_size=1)
+    second.record("restore", t=21.0, t_start=20.5, step=10)
+    for step in range(11, 16):
+        second.record("step", t=11.0 + step, t_start=10.0 + step, step=step, data_wait=0.0)
+    second.close()
+    return paths
+
+
+def check_status(capsys, run_uri: str, paths: dict[int, str]) -> None:
+    assert main(["status", run_uri, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    checkpoints = status["checkpoints"]
+    assert [(c["step"], c["attempt"], c["complete"]) for c in checkpoints] == [(5, 0, True), (10, 0, True), (15, 1, False)]
+    assert [c["registered"] for c in checkpoints] == [True, True, False]
+    assert [c["verifies"] for c in checkpoints] == [True, False, None]
+    assert "fails its checksum" in checkpoints[1]["problem"]
+    assert checkpoints[0]["bytes"] > 64 * 64 * 4 and checkpoints[2]["bytes"] == 0
+    # Checkpoint 10 is the newest complete one, but it no longer verifies: a restart loads 5.
+    assert status["restart_would_load"] == paths[5]
+    attempts = status["attempts"]
+    assert [(a["world_size"], a["restored_step"], a["last_step"]) for a in attempts] == [(2, 0, 12), (1, 10, 15)]
+    assert attempts[0]["ended"] == "failed: RuntimeError: injected"
+    assert attempts[1]["ended"].startswith("running or killed")
+    assert 0 < status["goodput"] < 1
+    assert main(["status", run_uri]) == 0
+    report = capsys.readouterr().out
+    assert "does NOT verify: shard" in report and f"A restart would load: {status['restart_would_load']}" in report
+
+
+def test_status_of_a_local_run(tmp_path, capsys):
+    run_dir = str(tmp_path / "runs" / "r")
+    paths = write_run(pafs.LocalFileSystem(), run_dir, str(tmp_path / "local"))
+    check_status(capsys, run_dir, paths)
+
+
+def test_status_of_a_run_on_s3(s3_server, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{s3_server.endpoint}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    run_dir = f"{s3_server.bucket}/status/r"
+    paths = write_run(s3_server.filesystem(), run_dir, str(tmp_path / "local"))
+    check_status(capsys, f"s3://{run_dir}", paths)
+
+
+def test_status_of_what_is_not_a_run_is_a_usage_error_naming_it(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status", str(tmp_path / "nothing")])
+    assert exit_info.value.code == 2 and f"{tmp_path / 'nothing'} is not a directory" in capsys.readouterr().err
