@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import random
+import threading
 import time
 from typing import Any
 
@@ -21,9 +22,9 @@ from ray.train.torch import prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
-
 from ray_resilient import Checkpointer, spare_workers
+from ray_resilient.testing import wait_until
+from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 
 
 JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # train_fn: 24 steps
@@ -152,8 +153,9 @@ def hold(holds: list[dict[str, Any]], world: int, restored_step: int, step: int)
     """
     for rule in holds:
         if rule["world_size"] == world and restored_step < rule["at_step"] == step:
-            while rule["until"] == "replaced" or not os.path.exists(rule["until"]):
-                time.sleep(0.05)
+            if rule["until"] == "replaced":
+                threading.Event().wait()  # until Ray stops this process
+            wait_until(lambda: os.path.exists(rule["until"]), timeout=600, what=f"{rule['until']} to exist")
 
 
 def train_fn(config: dict[str, Any]) -> None:

@@ -64,11 +64,11 @@ class VolumeDataLoader(DataLoader):
         persistent_workers: keep workers (and their prefetch windows and threads) across epochs.
         prefetch_factor: batches each worker prepares ahead.
         metrics_logger: called on rank 0 with (metrics, :attr:`global_batches`) every
-            ``log_every`` global batches of the run: ``"mlflow"`` (the default: the MLflow run of the current Ray Train run,
-            metric names prefixed ``data/``, from a background thread, so an MLflow outage never
-            blocks or fails the loop), a callable, or None (see
+            ``log_every`` global batches of the run: ``"mlflow"`` (the default: the MLflow run of
+            the current Ray Train run, metric names prefixed ``data/``, from a background thread,
+            so an MLflow outage never blocks or fails the loop), a callable, or None (see
             :func:`ray_resilient.tracking.resolve_metrics_logger`).
-        log_every: batches between two metrics_logger calls.
+        log_every: global batches between two metrics_logger calls.
     """
 
     def __init__(
@@ -159,8 +159,10 @@ class VolumeDataLoader(DataLoader):
         m.cache.misses += cache.misses
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
-        if self.metrics_logger is not None and self.global_batches % self.log_every == 0:
-            self.metrics_logger(m.as_dict(), self.global_batches)
+        if self.metrics_logger is not None:
+            step = self.global_batches
+            if step % self.log_every == 0:
+                self.metrics_logger(m.as_dict(), step)
 
     # --- position (a Stateful for the checkpoint's per-rank data slot) ---------------------------
 
