@@ -236,7 +236,7 @@ def test_auto_interval_is_dalys_for_the_measured_stall_and_step_time(tmp_path):
 
     from ray_resilient.goodput import interval_steps_for, read_events
 
-    mtbf = 3.0  # seconds: short, so the 24-step run saves several times
+    mtbf = 2.0  # seconds: short, so the 24-step run saves several times
     result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "rec", interval="auto", mtbf_s=mtbf,
                                                                      step_seconds=0.05),
                               str(tmp_path / "storage"), "auto", num_to_keep=None)
@@ -245,7 +245,8 @@ def test_auto_interval_is_dalys_for_the_measured_stall_and_step_time(tmp_path):
     saves = [e for e in events if e["kind"] == "save"]
     step_seconds = {e["step"]: e["t"] - e["t_start"] for e in events if e["kind"] == "step"}
     assert saves[0]["step"] == 10 and saves[-1]["step"] == 24  # the first measures the stall; the final one
-    assert len(saves) >= 4
+    # At least one interval chosen between two automatic saves (how many fit depends on the machine).
+    assert len(saves) >= 3
     for save, following in zip(saves, saves[1:-1]):
         recent = [step_seconds[s] for s in range(max(1, save["step"] - 49), save["step"] + 1)]
         expected = interval_steps_for(mtbf, save["t"] - save["t_start"], median(recent))
