@@ -13,7 +13,7 @@ Setup
     state), wrapped in DDP by ``prepare_model``, on ``SyntheticBatches`` (``ray_resilient.testing``)
     (resumable in-memory data). A step is ``--step-seconds`` of ``time.sleep`` emulating
     accelerator compute, then one real forward/backward/``optimizer.step()`` on the rank's slice
-    of a 64-sample global batch. ``Checkpointer`` checkpoints every ``--interval`` steps
+    of a ``--global-batch`` (64) sample global batch. ``Checkpointer`` checkpoints every ``--interval`` steps
     (sharded async DCP) and restores the newest complete checkpoint, data position included.
 
     ``--kills`` SIGKILLs of one worker process at seeded random steps come from
@@ -119,6 +119,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -383,6 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-seconds", type=float, default=0.05,
                         help="emulated accelerator compute per step (default: 0.05)")
     parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (default: 2)")
+    parser.add_argument("--global-batch", type=int, default=64, help="samples per global batch (default: 64)")
     parser.add_argument("--node-cpus", type=int, default=2, help="CPUs of the worker node (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill plan and the data (default: 0)")
     parser.add_argument("--timeout", type=float, default=600, help="give up on the run after this many s")
@@ -390,37 +393,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(args: argparse.Namespace, plan: str, spares: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict]:
-    """One run on a fresh local cluster: (recovery rows, events, the driver's outcome)."""
-    from ray_resilient.testing import LocalRayCluster, run_driver
-
-    root = Path(tempfile.mkdtemp(prefix="recovery-"))
-    ray_dir, record_dir = root / "ray", root / "record"
-    ray_dir.mkdir()
-    record_dir.mkdir()
-    config = {
-        "storage": str(root / "storage"), "workers": args.workers, "max_failures": args.kills, "spares": spares,
-        "loop": {"record_dir": str(record_dir), "faults": plan, "seed": args.seed, "interval": args.interval,
-                 "max_steps": args.steps, "step_seconds": args.step_seconds, "samples": 4096, "global_batch": 64},
-    }
-    # The driver and the workers import this module (drive, train_fn) through PYTHONPATH.
-    pythonpath = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))
-    keep = args.keep
+@contextmanager
+def run_dir(prefix: str, keep: bool) -> Iterator[Path]:
+    """A temp dir for one run, with ``ray/`` (the cluster) and ``record/`` (the events); removed
+    afterwards unless ``keep``, or the run failed (its logs say why)."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    (root / "ray").mkdir()
+    (root / "record").mkdir()
     try:
-        with LocalRayCluster(ray_dir, env={**os.environ, "PYTHONPATH": pythonpath}) as cluster:
-            cluster.add_node(cpus=args.node_cpus)
-            outcome = run_driver("recovery:drive", {**config, "address": cluster.address}, env=cluster.env,
-                                 workdir=root, timeout=args.timeout)
-        events = read_events(record_dir)
-        return recoveries(events, plan, controller_log(ray_dir)), events, outcome
+        yield root
     except BaseException:
-        keep = True  # the logs say what went wrong
+        keep = True
         raise
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
         elif root.exists():
             print(f"temp dir kept: {root}", file=sys.stderr)
+
+
+def drive_on_fresh_cluster(root: Path, function: str, config: dict[str, Any], node_cpus: int,
+                           timeout: float) -> dict[str, Any]:
+    """``function`` (``"module:name"`` of this folder) in a driver process, on a fresh local cluster
+    in ``root/ray`` (a CPU-less head plus a node of ``node_cpus``); the driver's outcome."""
+    from ray_resilient.testing import LocalRayCluster, run_driver
+
+    # The driver and the workers import the benchmark's module (drive, train_fn) through PYTHONPATH.
+    pythonpath = os.pathsep.join(filter(None, [str(BENCHMARKS), os.environ.get("PYTHONPATH")]))
+    with LocalRayCluster(root / "ray", env={**os.environ, "PYTHONPATH": pythonpath}) as cluster:
+        cluster.add_node(cpus=node_cpus)
+        return run_driver(function, {**config, "address": cluster.address}, env=cluster.env, workdir=root,
+                          timeout=timeout)
+
+
+def run(args: argparse.Namespace, plan: str, spares: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict]:
+    """One run on a fresh local cluster: (recovery rows, events, the driver's outcome)."""
+    with run_dir("recovery-", args.keep) as root:
+        config = {
+            "storage": str(root / "storage"), "workers": args.workers, "max_failures": args.kills, "spares": spares,
+            "loop": {"record_dir": str(root / "record"), "faults": plan, "seed": args.seed, "interval": args.interval,
+                     "max_steps": args.steps, "step_seconds": args.step_seconds, "samples": 4096,
+                     "global_batch": args.global_batch},
+        }
+        outcome = drive_on_fresh_cluster(root, "recovery:drive", config, args.node_cpus, args.timeout)
+        events = read_events(root / "record")
+        return recoveries(events, plan, controller_log(root / "ray")), events, outcome
 
 
 def main() -> None:

@@ -19,10 +19,9 @@ from typing import Any
 import ray
 import ray.train
 import torch
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
-from ray_resilient import Checkpointer, connect_ray
+from ray_resilient import Checkpointer, connect_ray, recommended_ray_config
 from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -89,19 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     connect_ray(args.ray_address)
+    ray_config = recommended_ray_config(args.name, args.storage_path, workers=args.workers,
+                                        max_failures=args.max_failures, num_to_keep=args.num_to_keep)
     trainer = TorchTrainer(
         train_fn,
         train_loop_config={key: getattr(args, key) for key in (
             "epochs", "samples", "global_batch", "hidden", "lr", "interval", "seed", "faults")},
-        scaling_config=ScalingConfig(num_workers=args.workers),
-        run_config=RunConfig(
-            name=args.name,
-            storage_path=args.storage_path,
-            failure_config=FailureConfig(max_failures=args.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=args.num_to_keep),
-        ),
+        **ray_config.trainer_kwargs(),
     )
-    result = trainer.fit()
+    result = ray_config.fit(trainer)
     metrics = result.metrics or {}
     print(f"\nDone: step {metrics.get('step')}, loss {metrics.get('loss', float('nan')):.4f}, "
           f"train accuracy {metrics.get('train_accuracy', float('nan')):.3f}")

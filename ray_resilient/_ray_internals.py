@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 # Train V2 controller settings (ray.train.v2._internal.constants).
 TRAIN_HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 TRAIN_WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+TRAIN_PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 
 # The GCS's health checks of the raylets (Ray's C++ config; defaults: every 3 s, dead after 5
 # misses, about 15 s). These make a lost node dead after about 3 s (set on the head node).
@@ -137,3 +138,14 @@ def controller_log(ray_temp_dir: Path) -> list[tuple[float, str]]:
         if records:
             return sorted(records)
     return []
+
+
+def is_replica_group(worker_group: object) -> bool:
+    """Whether a backend's ``on_start`` was handed one replacement replica group (Ray Train 2.60's
+    ``ReplicaGroup``), not a whole worker group starting."""
+    try:
+        from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+    except ImportError as err:
+        logger.warning("Ray Train's ReplicaGroup is not where ray_resilient expects it (%r)", err)
+        return type(worker_group).__name__ == "ReplicaGroup"
+    return isinstance(worker_group, ReplicaGroup)

@@ -34,6 +34,9 @@ Each choice, and why:
     restart may ask for workers that cannot be placed. It is retried with what is really left
     after this timeout instead of a minute later. Startup timeouts are not charged to
     ``max_failures``. On an autoscaling cluster, where new nodes take minutes, keep Ray's 60.
+  - ``RAY_TRAIN_ENABLE_PRINT_PATCH=0`` (Ray: 1): Ray Train sends a worker's ``print`` to its
+    logger, which writes it to stderr, and, because Ray's worker has replaced ``sys.stdout``, also
+    prints it as usual: every line reached the driver twice. Off, a line is printed once.
 
 - Spare workers (``spare_workers=True``): a restart replaces the whole worker group with new
   processes, each starting Ray's worker and importing torch, Ray Train and ray_resilient, most
@@ -45,6 +48,11 @@ Each choice, and why:
   On the cluster side, the GCS declares a lost node dead after about 15 s of missed health
   checks; the settings ``python -m ray_resilient.testing fast-node-failure-env`` prints shorten
   that to about 3 s (in the head node's environment before ``ray start``).
+- Survivor mode (``survivors=True``, a fixed number of workers): a worker's death no longer
+  restarts the others. They drop the step in flight and train on among themselves; Ray starts a
+  replacement for the dead worker only, which copies its state from a live one. The train function
+  uses :class:`~ray_resilient.survivors.SurvivingReplicas` instead of ``Checkpointer``
+  (:mod:`ray_resilient.survivors`). Each replacement counts against ``max_failures``.
 """
 
 from __future__ import annotations
@@ -60,7 +68,9 @@ from ray.train import (
     CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError, UserCallback,
 )
 
-from ray_resilient._ray_internals import TRAIN_HEALTH_CHECK_INTERVAL_ENV, TRAIN_WORKER_GROUP_START_TIMEOUT_ENV
+from ray_resilient._ray_internals import (
+    TRAIN_HEALTH_CHECK_INTERVAL_ENV, TRAIN_PRINT_PATCH_ENV, TRAIN_WORKER_GROUP_START_TIMEOUT_ENV,
+)
 from ray_resilient.checkpoint.layout import list_checkpoints
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.goodput.events import EventKind
@@ -71,6 +81,7 @@ from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES, worker_env
 RECOMMENDED_ENV = {
     TRAIN_HEALTH_CHECK_INTERVAL_ENV: "0.5",
     TRAIN_WORKER_GROUP_START_TIMEOUT_ENV: "10",
+    TRAIN_PRINT_PATCH_ENV: "0",
 }
 
 
@@ -94,16 +105,21 @@ class ResilientRayConfig:
     scaling_config: ScalingConfig
     run_config: RunConfig
     env: dict[str, str] = field(default_factory=dict)
+    torch_config: Any = None  # survivor mode's SurvivorConfig, else Ray's default
 
     def trainer_kwargs(self) -> dict[str, Any]:
-        """``scaling_config`` and ``run_config`` for ``TorchTrainer``; exports :attr:`env` first.
+        """``scaling_config``, ``run_config`` (and survivor mode's ``torch_config``) for
+        ``TorchTrainer``; exports :attr:`env` first.
 
         Ray reads the environment when ``fit()`` starts the controller; variables the user set
         already are left as they are.
         """
         for name, value in self.env.items():
             os.environ.setdefault(name, value)
-        return {"scaling_config": self.scaling_config, "run_config": self.run_config}
+        kwargs = {"scaling_config": self.scaling_config, "run_config": self.run_config}
+        if self.torch_config is not None:
+            kwargs["torch_config"] = self.torch_config
+        return kwargs
 
     def fit(self, trainer: Any) -> Result:
         """``trainer.fit()``, recording the driver's start in the run's goodput ledger.
@@ -158,6 +174,7 @@ def recommended_ray_config(
     env: dict[str, str] | None = None,
     spare_workers: bool = True,
     preload: Sequence[str] = DEFAULT_PRELOAD_MODULES,
+    survivors: bool = False,
 ) -> ResilientRayConfig:
     """The recommended configuration (see the module docstring for each choice).
 
@@ -173,6 +190,7 @@ def recommended_ray_config(
         env: overrides of :data:`RECOMMENDED_ENV`.
         spare_workers: keep warm worker processes for the next restart.
         preload: modules every worker process imports as it starts (with ``spare_workers``).
+        survivors: survivor mode (:mod:`ray_resilient.survivors`); needs a fixed ``workers``.
     """
     if isinstance(workers, tuple):
         low, high = workers
@@ -180,6 +198,9 @@ def recommended_ray_config(
             raise ValueError(f"workers=(min, max) needs 1 <= min <= max, got {workers}")
     elif workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if survivors and isinstance(workers, tuple):
+        raise ValueError(f"survivor mode trains on a fixed number of workers (a replacement takes a lost one's "
+                         f"place), got workers={workers}: give one number")
     if num_to_keep < 2:
         raise ValueError(f"num_to_keep must be >= 2 so a corrupt newest checkpoint has a fallback, got {num_to_keep}")
     scaling = ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources_per_worker,
@@ -193,4 +214,9 @@ def recommended_ray_config(
         callbacks=[StopOnUnrecoverableError()],
         worker_runtime_env={"env_vars": worker_env(preload, scaling.num_cpus_per_worker)} if spare_workers else None,
     )
-    return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})})
+    torch_config = None
+    if survivors:
+        from ray_resilient.survivors import SurvivorConfig
+
+        torch_config = SurvivorConfig()
+    return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})}, torch_config)

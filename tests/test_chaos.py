@@ -169,7 +169,7 @@ def test_a_driver_started_again_with_the_same_name_resumes_the_run(reference, tm
         first.kill()
         # Ray stops a dead driver's actors; the run must not go on writing behind the new driver's back.
         old_workers = [a["pid"] for rank in (0, 1) for a in trainlib.read_attempts(str(record), rank)]
-        wait_until(lambda: not any(_alive(pid) for pid in old_workers), timeout=120,
+        wait_until(lambda: not any(trainlib.alive(pid) for pid in old_workers), timeout=120,
                    what="the dead driver's workers to stop")
         newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "rerun")) if c.complete][-1]
         assert newest.step >= 5
@@ -209,14 +209,6 @@ def test_a_second_driver_of_the_same_run_is_refused_at_once_and_the_first_run_lo
                                                                            trainlib.JOB["seed"], 1)
     complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "shared")) if c.complete]
     assert complete[-1].path == final and complete[-1].step == 60
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.usefixtures("ray_cluster")

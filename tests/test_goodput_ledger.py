@@ -199,6 +199,45 @@ def test_a_days_uploads_are_compacted_so_a_restore_reads_few_objects_and_every_e
     assert [e["step"] for e in read_events(fs, "run")] == list(range(uploads))
 
 
+def test_survivor_mode_charges_the_dropped_step_as_wasted_the_reform_as_restart_and_the_copy_as_restore(tmp_path):
+    """Survivor mode, 3 replicas. Lead 0 starts at 1 s, restores nothing, trains steps 1-3; replica 2
+    dies in step 4 (dropped at 5.5 s), the group re-forms and trains step 4 at 6-7 s. At 9 s the
+    replacement joins: a 0.5 s peer copy, step 5 at 9.5-10.5 s. The lead dies in step 6; replica 1
+    takes over: step 6 dropped at 11.5 s, copy-free re-form, step 6 at 12-13 s, finish at 13 s."""
+    fs, run_dir = pafs.LocalFileSystem(), str(tmp_path / "runs" / "r")
+    storage = RunStorage(fs, run_dir, str(tmp_path / "spool"))
+    lead = LedgerWriter(storage, 0, upload_seconds=0.05)
+    lead.record("attempt_start", t=1.0, world_size=3)
+    lead.record("restore", t=1.0, t_start=1.0, step=0)
+    for step in (1, 2, 3):
+        lead.record("step", t=1.0 + step, t_start=float(step), step=step, data_wait=0.0)
+    lead.record("step_discarded", t=5.5, t_start=4.0, step=4, world_size=3)
+    lead.record("membership", t=5.8, step=3, world_size=2, lost=[2], joined=[])
+    lead.record("step", t=7.0, t_start=6.0, step=4, data_wait=0.0)
+    lead.record("peer_recovery", t=9.5, t_start=9.0, step=4, replicas=[2], bytes=100)
+    lead.record("membership", t=9.5, step=4, world_size=3, lost=[], joined=[2])
+    lead.record("step", t=10.5, t_start=9.5, step=5, data_wait=0.0)
+    lead.close()
+    new_lead = LedgerWriter(storage, 0, upload_seconds=0.05)
+    new_lead.record("step_discarded", t=11.5, t_start=10.5, step=6, world_size=3)
+    new_lead.record("membership", t=11.8, step=5, world_size=2, lost=[0], joined=[])
+    new_lead.record("step", t=13.0, t_start=12.0, step=6, data_wait=0.0)
+    new_lead.record("finish", t=13.0, step=6)
+    new_lead.close()
+    breakdown = account(read_events(fs, run_dir))
+    assert breakdown.total == pytest.approx(12.0)
+    assert breakdown.productive == pytest.approx(6.0)  # steps 1-6, one second each
+    assert breakdown.wasted == pytest.approx(1.5 + 1.0)  # the two dropped steps
+    assert breakdown.restore == pytest.approx(0.5)  # the replacement's copy
+    # Re-forming after each drop, to the next step's start: 5.5 -> 6 and 11.5 -> 12; the gap from
+    # the join (7 -> 9) is the lead's own time between steps.
+    assert breakdown.init_restart == pytest.approx(0.5 + 0.5)
+    assert breakdown.other == pytest.approx(12.0 - 6.0 - 2.5 - 0.5 - 1.0)
+    assert (breakdown.attempts, breakdown.failures, breakdown.steps_kept, breakdown.steps_recomputed) == (2, 2, 6, 2)
+    png = tmp_path / "timeline.png"
+    assert "steps recomputed  2" in render_report(run_dir, str(png)) and png.stat().st_size > 10_000
+
+
 def test_report_prints_the_breakdown_and_draws_the_timeline(local_run, tmp_path):
     png = tmp_path / "timeline.png"
     text = render_report(local_run, str(png))

@@ -33,6 +33,9 @@ def test_train_ddp_job_survives_an_injected_worker_kill(tmp_path):
     assert "Injecting fault kill-step-25-rank1" in log
     assert "Resuming at step 20" in log or "Resuming at step 10" in log  # 20 may still be in flight
     assert "Done: step 32" in log  # 2 epochs x 1024 // 64 batches
+    # A worker's print reaches the driver once (Ray Train's print patch sent it twice).
+    assert [log.count(f"[rank 0] epoch {epoch}: ") for epoch in (0, 1)] == [1, 1]
+    assert log.count("[rank 0] 2 workers, starting at step 0 (epoch 0)") == 1
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "demo"))
     assert checkpoints[-1].step == 32 and checkpoints[-1].complete
     assert f"Final checkpoint: {checkpoints[-1].path}" in log

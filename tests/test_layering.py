@@ -6,7 +6,8 @@ layers, bottom up (README, "How it fits together"):
 - base: ``_ray_internals`` (every private Ray API), ``_lazy``, ``storage`` (a path or URI to a
   filesystem, a run's storage), ``faults``, ``tracking``;
 - ``data`` and ``goodput``, which know nothing of each other or of checkpoints;
-- ``spare_workers``; then ``checkpoint``, which feeds the goodput ledger;
+- ``spare_workers``; then ``checkpoint``, which feeds the goodput ledger; then ``survivors``
+  (survivor mode), which writes its checkpoints with ``checkpoint``'s parts;
 - the front: ``ray_config``, ``connect`` (a driver's ``ray.init``), ``status`` (where a run
   stands), ``cli``, the package's lazy ``__init__``; beside it ``testing``, the rig.
 """
@@ -35,7 +36,8 @@ ALLOWED = {
     "goodput": BASE,
     "spare_workers": BASE,
     "checkpoint": BASE | {"goodput", "spare_workers"},
-    "ray_config": BASE | {"checkpoint", "goodput", "spare_workers"},
+    "survivors": BASE | {"checkpoint", "goodput", "spare_workers"},
+    "ray_config": BASE | {"checkpoint", "goodput", "spare_workers", "survivors"},
     "connect": set(),
     "status": BASE | {"checkpoint", "goodput"},
     "cli": BASE | {"checkpoint", "goodput", "status"},

@@ -19,6 +19,8 @@ def test_train_v2_reads_the_controller_settings_we_set():
 
     assert constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR == _ray_internals.TRAIN_HEALTH_CHECK_INTERVAL_ENV
     assert constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR == _ray_internals.TRAIN_WORKER_GROUP_START_TIMEOUT_ENV
+    assert constants.ENABLE_PRINT_PATCH_ENV_VAR == _ray_internals.TRAIN_PRINT_PATCH_ENV
+    assert constants.ENABLE_PRINT_PATCH_ENV_VAR in constants.ENV_VARS_TO_PROPAGATE  # driver -> workers
 
 
 def test_the_gcs_knows_the_health_check_settings_we_set():
@@ -41,6 +43,22 @@ def test_the_train_run_id_is_where_the_wall_reads_it():
     assert callable(get_train_context)
     assert "train_run_context" in {f.name for f in dataclasses.fields(TrainContext)}
     assert "run_id" in {f.name for f in dataclasses.fields(TrainRunContext)}
+
+
+def test_a_replacement_replica_group_is_told_from_a_whole_worker_group():
+    """Survivor mode's backend starts a coordinator per worker group and only joins a replacement
+    replica group to it; the controller replaces only failed replica groups for a backend with
+    ``has_replica_groups`` (what ``tests/test_survivors.py`` runs on)."""
+    import inspect
+
+    from ray.train.backend import Backend
+    from ray.train.v2._internal.execution.controller import controller
+    from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
+
+    assert _ray_internals.is_replica_group(object.__new__(ReplicaGroup))
+    assert not _ray_internals.is_replica_group(object.__new__(WorkerGroup))
+    assert Backend.has_replica_groups is False
+    assert "has_replica_groups" in inspect.getsource(controller)
 
 
 def test_the_worker_setup_hook_variable_exists():

@@ -181,7 +181,8 @@ class TrainingComponents:
             state[OPTIMIZER] = optim_sd
         return state
 
-    def _shared_state(self) -> dict[str, Any]:
+    def shared_state(self) -> dict[str, Any]:
+        """Model, optimizer, scheduler, scaler and extras: what every replica holds alike."""
         state = self._model_and_optimizer()
         if self.lr_scheduler is not None:
             state[LR_SCHEDULER] = self.lr_scheduler.state_dict()
@@ -203,7 +204,7 @@ class TrainingComponents:
         rank_state: dict[str, Any] = {RNG: capture_rng_state(), BUFFERS: buffers}
         if self.data is not None:
             rank_state[DATA] = self.data.state_dict()
-        state = self._shared_state()
+        state = self.shared_state()
         if train_state.world_size > 1:
             rank0_buffers = {key: state[MODEL].pop(key) for key in buffers if key in state[MODEL]}
             if isinstance(self.model, DistributedDataParallel):
@@ -222,7 +223,7 @@ class TrainingComponents:
         Same world size: this rank's own entry. Different world size: every old rank's data
         entry (for a ReshardableStateful), and no RNG (it is re-derived, see ``apply_loaded``).
         """
-        state = self._shared_state()
+        state = self.shared_state()
         if saved.world_size == world_size:
             state[RANK_STATE] = {rank_key(rank): self._rank_placeholder()}
         elif isinstance(self.data, ReshardableStateful):
@@ -255,9 +256,8 @@ class TrainingComponents:
             "initial state (implement load_resharded_state_dicts to continue exactly)"
         ]
 
-    def apply_loaded(self, state: dict[str, Any], saved: TrainState, rank: int, world_size: int) -> list[str]:
-        """Push the loaded model, optimizer, scheduler, scaler, extras, buffers and RNG streams into
-        the live objects (the data position is :meth:`apply_data_position`'s). Returns warnings."""
+    def load_shared_state(self, state: dict[str, Any]) -> None:
+        """Push :meth:`shared_state`'s parts of ``state`` into the live objects."""
         optimizers = () if self.optimizer is None else (self.optimizer,)
         set_state_dict(
             self.model,
@@ -271,6 +271,11 @@ class TrainingComponents:
             self.grad_scaler.load_state_dict(state[GRAD_SCALER])
         for name, obj in self.extras.items():
             obj.load_state_dict(state[EXTRAS][name])
+
+    def apply_loaded(self, state: dict[str, Any], saved: TrainState, rank: int, world_size: int) -> list[str]:
+        """Push the loaded model, optimizer, scheduler, scaler, extras, buffers and RNG streams into
+        the live objects (the data position is :meth:`apply_data_position`'s). Returns warnings."""
+        self.load_shared_state(state)
         if saved.world_size == world_size:
             own = state[RANK_STATE][rank_key(rank)]
             live = model_buffers(self.model)

@@ -16,6 +16,12 @@ start) to its last event. It is split into parts that add up to it:
   the workers, building the model, failure detection, restarts.
 - ``other``: the remainder: time the loop spent outside the events (e.g. after the last step).
 
+In survivor mode (:mod:`ray_resilient.survivors`) the lead replica records the run as its rank 0.
+A step dropped because a replica was lost is ``wasted`` and counts as recomputed; re-forming the
+group until the next step starts is ``init_restart``, except the state copy to the replicas
+behind (``peer_recovery``), which is ``restore``; each lost replica is a failure. When the lead
+itself is lost, the replica that takes over continues the run as a new lane without a restore.
+
 A step's time is from the previous mark of the loop (the end of the previous step's save, or of
 the restore) to its ``step_completed``, so anything the loop does between steps (logging, a
 validation pass) counts as part of the next step.
@@ -56,9 +62,14 @@ class Attempt:
     def finished(self) -> bool:
         return any(e["kind"] == EventKind.FINISH for e in self.events)
 
+    @property
+    def took_over(self) -> bool:
+        """A survivor-mode lead that took over a running run (no start of its own)."""
+        return not any(e["kind"] == EventKind.ATTEMPT_START for e in self.events)
+
     def first_work(self) -> float:
         """When the attempt started restoring or training (its end if it never did)."""
-        work = (EventKind.RESTORE, EventKind.STEP, EventKind.SAVE)
+        work = (EventKind.RESTORE, EventKind.STEP, EventKind.SAVE, EventKind.STEP_DISCARDED)
         return next((e["t_start"] for e in self.events if e["kind"] in work), self.end)
 
 
@@ -149,8 +160,12 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
         # A save's durable event may come before the save's own (the writer's thread records it).
         save_started = {e["step"]: e["t_start"] for e in attempt.events if e["kind"] == EventKind.SAVE}
         restored = 0.0
+        reforming_since, copying = None, 0.0  # survivor mode: since a step was dropped
         for event in attempt.events:
             duration = event["t"] - event.get("t_start", event["t"])
+            if event["kind"] == EventKind.STEP and reforming_since is not None:
+                result.init_restart += max(0.0, event["t_start"] - reforming_since - copying)
+                reforming_since, copying = None, 0.0
             if event["kind"] == EventKind.STEP:
                 if lost is not None and event["step"] > lost:
                     result.wasted += duration
@@ -169,8 +184,17 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
             elif event["kind"] == EventKind.RESTORE:
                 result.restore += duration
                 restored += duration
+            elif event["kind"] == EventKind.STEP_DISCARDED:
+                result.wasted += duration
+                result.steps_recomputed += 1
+                reforming_since = event["t"]
+            elif event["kind"] == EventKind.PEER_RECOVERY:
+                result.restore += duration
+                copying += duration if reforming_since is not None else 0.0
+            elif event["kind"] == EventKind.MEMBERSHIP:
+                result.failures += len(event["lost"])
         result.starts.append(setup + restored)
-        if index + 1 < len(attempts) and not attempt.finished:
+        if index + 1 < len(attempts) and not attempt.finished and not attempts[index + 1].took_over:
             result.failures += 1
         boundary = attempt.end
     result.other = result.total - sum(getattr(result, part) for part in PARTS if part != "other")

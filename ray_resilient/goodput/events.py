@@ -17,6 +17,9 @@ class EventKind(str, Enum):
     REGISTERED = "registered"  # a checkpoint's step
     FAILURE = "failure"  # error
     FINISH = "finish"  # step
+    STEP_DISCARDED = "step_discarded"  # survivor mode: a step dropped by a replica loss; step, t_start, world_size
+    MEMBERSHIP = "membership"  # survivor mode: the replicas changed; step, world_size, lost, joined
+    PEER_RECOVERY = "peer_recovery"  # survivor mode: state copied from a live replica; t_start, step, replicas, bytes
 
     def __str__(self) -> str:
         return self.value

@@ -11,7 +11,8 @@ from ray_resilient.goodput.ledger import load_events
 from ray_resilient.goodput.planner import SECONDS_PER_DAY, Plan
 
 NOTES = (
-    "wasted: steps lost to a failure and computed again (a later attempt restored an older checkpoint)",
+    "wasted: steps lost to a failure and computed again (a later attempt restored an older checkpoint, "
+    "or survivors dropped the step a lost replica was in)",
     "init restart: from the run's start or an attempt's end to the next attempt's first work (startup, detection)",
 )
 # Timeline bars, drawn in this order: (category, label, colour).
@@ -76,6 +77,12 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
                     bars[lane]["kept"].append((t0 + wait, duration - wait))
             elif event["kind"] in (EventKind.RESTORE, EventKind.SAVE):
                 bars[lane][event["kind"]].append((t0, duration))
+            elif event["kind"] == EventKind.STEP_DISCARDED:
+                bars[lane]["wasted"].append((t0, duration))
+            elif event["kind"] == EventKind.PEER_RECOVERY:
+                bars[lane]["restore"].append((t0, duration))
+            elif event["kind"] == EventKind.MEMBERSHIP:
+                marks["membership"].append((t0, lane))
             elif event["kind"] in (EventKind.DURABLE, EventKind.REGISTERED):
                 marks[event["kind"]].append((t0, lane))
         if lane + 1 < len(attempts) and not attempt.finished:
@@ -98,7 +105,8 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
                 axes.broken_barh(lane_bars[category], (lane - 0.25, 0.5), facecolors=colour, linewidth=0)
     for kind, marker, offset, colour, size in (("durable", "^", 0.36, "#333333", 30),
                                                ("registered", "v", -0.36, "#1f77b4", 30),
-                                               ("failure", "X", 0.0, "#d62728", 120)):
+                                               ("failure", "X", 0.0, "#d62728", 120),
+                                               ("membership", "D", 0.0, "#ff7f0e", 40)):
         if marks[kind]:
             xs, lanes = zip(*marks[kind])
             axes.scatter(xs, [y + offset for y in lanes], marker=marker, s=size, c=colour, edgecolors="black",
@@ -118,6 +126,7 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
         Line2D([], [], marker="X", color="#d62728", markeredgecolor="black", linestyle="", markersize=9,
                label="failure"),
         Line2D([], [], color="black", linestyle="--", label="driver start"),
+        Line2D([], [], marker="D", color="#ff7f0e", linestyle="", label="replicas changed (survivor mode)"),
     ]
     figure.legend(handles=handles, loc="outside lower center", ncol=5, fontsize=8, frameon=False)
     figure.savefig(png_path)
@@ -125,6 +134,9 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
 
 def _lane_label(index: int, attempt: Attempt) -> str:
     world_size = next((e.get("world_size", "?") for e in attempt.events if e["kind"] == EventKind.ATTEMPT_START), "?")
+    if attempt.took_over:
+        world_size = next((e["world_size"] for e in attempt.events if e["kind"] == EventKind.MEMBERSHIP), "?")
+        return f"attempt {index + 1}\nlead taken over, {world_size} replicas"
     start = "died before restoring" if attempt.restored_step is None else f"from step {attempt.restored_step}"
     return f"attempt {index + 1}\nworld size {world_size}, {start}"
 

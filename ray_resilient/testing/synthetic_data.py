@@ -45,9 +45,23 @@ class SyntheticBatches:
     def load_resharded_state_dicts(self, states: list[dict[str, int]]) -> None:
         self.load_state_dict(states[0])  # the position is global: every rank saved the same
 
+    def micro_batch(self, step: int, part: int, parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Part ``part`` of ``parts`` of global batch ``step`` (0-based, counted over epochs): the
+        sample ids, features and labels, from the same plan the iterator serves."""
+        if self.global_batch % parts:
+            raise ValueError(f"global batch {self.global_batch} is not divisible into {parts} micro-batches")
+        epoch, index = divmod(step, self.batches_per_epoch)
+        size = self.global_batch // parts
+        start = index * self.global_batch + part * size
+        ids = self._order(epoch)[start:start + size]
+        return ids, self.features[ids], self.labels[ids]
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """This rank's (sample ids, features, labels) of each remaining global batch of the epoch."""
-        order = torch.randperm(len(self.labels), generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+        order = self._order(self.epoch)
         per_rank = self.global_batch // self.world_size
         while self.consumed < self.batches_per_epoch:
             start = self.consumed * self.global_batch + self.rank * per_rank

@@ -1,0 +1,347 @@
+"""Replicas that keep training when one of them dies: the worker's side of survivor mode.
+
+Each Ray Train worker is one full replica of the model (DDP-style). A global batch is cut into a
+fixed number of micro-batches; the live replicas share them out (micro-batch ``k`` to the member
+of rank ``k % members``), and each micro-batch's gradient travels in its own row of one all-reduce,
+zero elsewhere. Every replica then adds the rows in micro-batch order. So the step's gradient is
+the same bits whichever replicas computed it: a run that lost replicas ends with bitwise the
+weights of an uninterrupted run, and no sample of a kept step is lost or trained twice. The cost
+is an all-reduce ``micro_batches`` times the size of the gradient.
+
+A step commits on a replica when its all-reduce succeeded there. A replica that dies breaks the
+gloo connections of that all-reduce at once; the others drop the step, ask the
+:class:`~ray_resilient.survivors.coordinator.MembershipCoordinator` for the next membership and
+train the same step again among themselves, in the same processes. Ray Train starts a
+replacement in the dead replica's place; it copies model, optimizer, scheduler, step and the
+checkpoint attempt from a live replica's memory over gloo (no storage read), and joins at the
+next step boundary.
+
+The lead replica saves plain DCP checkpoints in the background, as a one-rank job; they are the
+safety net for losing every replica or the driver, restored when the worker group starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+
+from ray_resilient.checkpoint.layout import checkpoint_dir_name
+from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.state import TrainingComponents, TrainState, reseed_rng
+from ray_resilient.checkpoint.storage import CheckpointStorage
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
+from ray_resilient.faults import FaultInjector
+from ray_resilient.goodput.events import EventKind
+from ray_resilient.goodput.ledger import LedgerWriter
+from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
+from ray_resilient.survivors.coordinator import JOINERS_KEY, Membership, lost_key
+
+logger = logging.getLogger(__name__)
+
+LossOf = Callable[[int, int], torch.Tensor]
+LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
+
+
+class ReplicaLostError(RuntimeError):
+    """A member of this replica's membership is gone (or another member found one gone)."""
+
+
+class SurvivingReplicas:
+    """This worker's replica in survivor mode (a ``TorchTrainer`` with ``SurvivorConfig``).
+
+    Use inside the train function::
+
+        with SurvivingReplicas(model, optimizer, micro_batches=3, seed=seed, checkpoint_interval=100) as replicas:
+            while replicas.step < total_steps:
+                replicas.train_step(lambda step, k: loss_fn(model(x[step][k]), y[step][k]))
+
+    ``loss_of(step, k)`` returns the mean loss of micro-batch ``k`` of global batch ``step``
+    (0-based, the step being trained). It runs with RNG streams derived from (seed, step, k), so
+    its randomness does not depend on which replica runs it.
+
+    Args:
+        model, optimizer, lr_scheduler: the replica's (not wrapped in DDP: gradients are
+            reduced here). Models whose buffers change in the forward pass (BatchNorm statistics)
+            are refused: each replica would see other micro-batches.
+        micro_batches: micro-batches per global batch (the replicas at start, or a multiple).
+        seed: the run's seed (RNG streams per micro-batch are derived from it).
+        checkpoint_interval: steps between the lead's checkpoints (None: only the final one).
+        faults: a fault plan (:mod:`ray_resilient.faults`; a fault's rank is the replica): ``step``
+            faults fire after a step is applied, the others in the lead's checkpoint writes.
+        timeout_s: how long a collective waits for a replica that hangs without dying.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
+                 micro_batches: int, seed: int = 0, checkpoint_interval: int | None = None, faults: str = "",
+                 timeout_s: float = 30.0):
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        stateful = [name for name, module in model.named_modules()
+                    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats]
+        if stateful:
+            raise ValueError(
+                f"survivor mode needs a model whose forward pass changes no buffers, but {stateful[0]!r} is a "
+                "BatchNorm that tracks running statistics: each replica would see other micro-batches. Use "
+                "GroupNorm or LayerNorm, or BatchNorm with track_running_stats=False")
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.micro_batches, self.seed, self.interval = micro_batches, seed, checkpoint_interval
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.step = 0
+        self.finished = False
+        self.last_parts: tuple[int, ...] = ()  # the micro-batches this replica computed in the last step
+        self._params = [p for p in model.parameters()]
+        self._sizes = [p.numel() for p in self._params]
+        self._row = sum(self._sizes) + 1  # the gradient, then the loss
+        self._components = TrainingComponents(model, optimizer, lr_scheduler)
+        ctx = ray.train.get_context()
+        self.replica = ctx.get_world_rank()
+        self._token = f"{self.replica}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._storage = CheckpointStorage.from_ray_context()
+        self._faults = FaultInjector.from_plan(faults, self.replica, self._storage.filesystem,
+                                               self._storage.experiment_path)
+        self._ledger: LedgerWriter | None = None  # the lead's: it records the run's progress as its rank 0
+        self._writer: AsyncCheckpointWriter | None = None
+        self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
+        self._last_saved = -1  # the step of the lead's newest save
+        self._membership: Membership | None = None
+        self._group: Any = None
+        self._trained = False  # whether this process applied a step
+        self._abandoned: list[Any] = []  # gloo groups left inside a collective with a lost replica
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def __enter__(self) -> "SurvivingReplicas":
+        from ray_resilient.survivors.backend import coordinator
+
+        self._coordinator = coordinator()
+        host, store_port, live_port = ray.get(self._coordinator.start.remote())
+        self._store = dist.TCPStore(host, store_port, is_master=False, timeout=self.timeout)
+        self._node_ip = ray.util.get_node_ip_address()
+        self._live = socket.create_connection((host, live_port))
+        self._live.sendall(f"{self.replica} {self._token}\n".encode())
+        started = time.time()
+        membership = ray.get(self._coordinator.join.remote(self.replica, self._token))
+        if membership.finished:
+            self.step, self.finished = membership.step, True
+            return self
+        self._membership = membership
+        if membership.epoch == 0:
+            self._restore_from_storage(started)
+        try:
+            self._enter(membership)
+        except RuntimeError:  # a replica was lost while the group formed
+            self._change_membership()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None and not self.finished:
+                if self.is_lead and self._last_saved != self.step:
+                    self._save()
+                if self._writer is not None:
+                    self._writer.collect()
+                self._record(EventKind.FINISH, step=self.step)
+                ray.get(self._coordinator.finish.remote(self.step))
+                self.finished = True
+        finally:
+            if self._writer is not None and exc_type is None:
+                self._writer.close()
+            elif self._writer is not None:
+                self._writer.abandon()  # saves in flight stay partial
+            if self._ledger is not None:
+                self._ledger.close()
+            self._live.close()
+
+    # --- training -----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Replicas training now."""
+        return len(self._membership.members)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The replicas (their Ray Train world ranks) training now, in rank order."""
+        return self._membership.members
+
+    @property
+    def is_lead(self) -> bool:
+        """Whether this replica saves the checkpoints and records the run's progress."""
+        return self._membership is not None and self._membership.lead == self.replica
+
+    def train_step(self, loss_of: LossOf) -> float:
+        """Train global batch ``self.step`` among the live replicas (again, after losing one) and
+        apply it; returns its mean loss over the global batch."""
+        self._faults.fire("step", self.step)  # "after step N": once the train function went on from it
+        while True:
+            started = time.time()
+            flat = self._gradients(loss_of)
+            try:
+                self._wait(self._group.allreduce([flat]))
+            except RuntimeError as err:  # a replica is gone: gloo's connections to it broke, or the coordinator says
+                logger.warning("Step %d dropped on %d replicas (%s); continuing without the lost one",
+                               self.step + 1, self.world_size, str(err).splitlines()[0][:200])
+                self._record(EventKind.STEP_DISCARDED, step=self.step + 1, t_start=started,
+                             world_size=self.world_size)
+                self._change_membership()
+                continue
+            loss = self._apply(flat)
+            if not self._trained and spares_enabled():
+                SpareWorkerRequest().first_step()  # a warm process for the next replacement on this node
+            self._trained = True
+            self._record(EventKind.STEP, step=self.step, t_start=started, data_wait=0.0)
+            if self.is_lead and self.interval and self.step % self.interval == 0:
+                self._save()
+            if flat[-1] > 0:  # a replacement is waiting: take it in at this step boundary
+                self._change_membership()
+            return loss
+
+    def _gradients(self, loss_of: LossOf) -> torch.Tensor:
+        """One row per micro-batch (its gradient, then its loss), zero where another replica computes
+        it; the last element says whether a replacement waits (rank 0 looks)."""
+        flat = torch.zeros(self.micro_batches * self._row + 1)
+        rank, size = self._membership.rank(self.replica), self.world_size
+        self.last_parts = tuple(range(rank, self.micro_batches, size))
+        for k in self.last_parts:
+            reseed_rng(self.seed, self.step, k)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(self.step, k)
+            loss.backward()
+            row = flat[k * self._row:(k + 1) * self._row]
+            offset = 0
+            for param, size_ in zip(self._params, self._sizes):
+                if param.grad is not None:
+                    row[offset:offset + size_] = param.grad.reshape(-1)
+                offset += size_
+            row[-1] = loss.detach()
+        if rank == 0 and self._store.check([JOINERS_KEY]):
+            flat[-1] = 1.0
+        return flat
+
+    def _apply(self, flat: torch.Tensor) -> float:
+        rows = flat[:-1].view(self.micro_batches, self._row)
+        total = rows[0].clone()
+        for k in range(1, self.micro_batches):
+            total += rows[k]  # in micro-batch order, on every replica: the same bits
+        total /= self.micro_batches
+        offset = 0
+        for param, size in zip(self._params, self._sizes):
+            param.grad = total[offset:offset + size].view_as(param).to(param.device, copy=True)
+            offset += size
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.step += 1
+        return float(total[-1])
+
+    # --- membership ---------------------------------------------------------------------
+
+    def _change_membership(self) -> None:
+        """Re-form with the replicas that remain (and those waiting to join), again if one more is lost."""
+        while True:
+            membership = ray.get(self._coordinator.reform.remote(self._membership.epoch, self._token, self.step))
+            try:
+                self._enter(membership)
+                return
+            except RuntimeError as err:  # another replica was lost while the group formed
+                logger.warning("Membership %d lost a replica as it formed (%s)", membership.epoch,
+                               str(err).splitlines()[0][:200])
+
+    def _enter(self, membership: Membership) -> None:
+        """Form ``membership``'s gloo group; bring the members behind its source up to date."""
+        previous, self._membership = self._membership, membership
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._node_ip)]
+        store = dist.PrefixStore(f"membership{membership.epoch}/", self._store)
+        self._group = dist.ProcessGroupGloo(store, membership.rank(self.replica), len(membership.members), options)
+        if membership.behind:
+            started = time.time()
+            sent = self._copy_state_from(membership.rank(membership.source))
+            self._record(EventKind.PEER_RECOVERY, t_start=started, step=membership.step,
+                         replicas=list(membership.behind), bytes=sent)
+        if previous is not None and previous.epoch != membership.epoch:
+            self._record(EventKind.MEMBERSHIP, step=membership.step, world_size=len(membership.members),
+                         lost=sorted(set(previous.members) - set(membership.members)),
+                         joined=sorted(set(membership.members) - set(previous.members)))
+        if self.is_lead and self._writer is None:
+            self._start_writer()
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective of this membership; :class:`ReplicaLostError` as soon as the
+        coordinator marks a member lost, while the collective may still be waiting for it."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(LOST_POLL_S):
+            if self._store.check([lost_key(self._membership.epoch)]):
+                # The group stays referenced: destroying it would wait for the abandoned collective.
+                self._abandoned.append(self._group)
+                raise ReplicaLostError(f"membership {self._membership.epoch} lost a replica")
+        work.wait()  # raises gloo's error, if the collective failed
+
+    def _copy_state_from(self, root: int) -> int:
+        """Broadcast the source's state to the group; returns its size in bytes."""
+        payload = torch.zeros(0, dtype=torch.uint8)
+        if self._membership.rank(self.replica) == root:
+            buffer = io.BytesIO()
+            torch.save({"state": self._components.shared_state(), "step": self.step, "attempt": self._attempt,
+                        "last_saved": self._last_saved}, buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._wait(self._group.broadcast(size, root))
+        if self._membership.rank(self.replica) != root:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(self._group.broadcast(payload, root))
+        if self.replica in self._membership.behind:
+            received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            self._components.load_shared_state(received["state"])
+            self.step, self._attempt, self._last_saved = received["step"], received["attempt"], received["last_saved"]
+        return int(size)
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def _restore_from_storage(self, started: float) -> None:
+        """The worker group's start: resume from the newest complete checkpoint, if any."""
+        plan = find_complete_checkpoints(self._storage, None)
+        self._attempt = plan.next_attempt
+        self._record(EventKind.ATTEMPT_START, world_size=ray.train.get_context().get_world_size())
+        loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
+        if loaded is not None:
+            self.step = self._last_saved = loaded[1].step
+        self._record(EventKind.RESTORE, t_start=started, step=self.step)
+
+    def _start_writer(self) -> None:
+        self._storage.clear_local_staging()
+        self._writer = AsyncCheckpointWriter(
+            self._storage, 0, self._faults,
+            on_durable=lambda step, t: self._record(EventKind.DURABLE, t=t, step=step))
+
+    def _save(self) -> None:
+        started = time.time()
+        if not self._writer.can_stage:
+            self._writer.collect(1)
+        state = self._components.state_to_save(TrainState(step=self.step, seed=self.seed,
+                                                           interval_steps=self.interval or 0), 0)
+        self._writer.save(state, self.step, checkpoint_dir_name(self.step, self._attempt))
+        self._last_saved = self.step
+        self._record(EventKind.SAVE, t_start=started, step=self.step)
+
+    def _record(self, kind: EventKind, **fields: Any) -> None:
+        """A ledger event of the run's progress, recorded by the lead only."""
+        if self.is_lead:
+            if self._ledger is None:
+                self._ledger = LedgerWriter(self._storage, 0)
+            self._ledger.record(kind, **fields)

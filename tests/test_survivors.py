@@ -1,0 +1,195 @@
+"""Survivor mode: replicas SIGKILLed from outside, the others keep training in their processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import trainlib
+
+from ray_resilient import recommended_ray_config
+from ray_resilient.checkpoint import list_checkpoints
+from ray_resilient.goodput import read_events
+from ray_resilient.testing import Driver, LocalRayCluster, wait_until
+from ray_resilient.testing.synthetic_data import SyntheticBatches
+
+pytestmark = pytest.mark.slow
+
+# 10 global batches of 48 per epoch, 3 micro-batches of 16: 60 steps.
+SURVIVOR_JOB = {"seed": 11, "samples": 480, "global_batch": 48, "epochs": 6, "micro_batches": 3, "interval": 10,
+                "step_seconds": 0.03}
+
+
+def fit_survivors(config: dict, storage: Path, name: str, max_failures: int = 4):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_resilient.survivors import SurvivorConfig
+
+    trainer = TorchTrainer(trainlib.survivor_fn, train_loop_config=config, torch_config=SurvivorConfig(),
+                           scaling_config=ScalingConfig(num_workers=3),
+                           run_config=RunConfig(name=name, storage_path=str(storage),
+                                                failure_config=FailureConfig(max_failures=max_failures)))
+    return trainer.fit()
+
+
+def records_of(record_dir: Path, **match) -> list[dict]:
+    return [r for r in trainlib.survivor_records(record_dir) if all(r.get(k) == v for k, v in match.items())]
+
+
+def pid_of(record_dir: Path, replica: int, not_pid: int | None = None) -> int:
+    starts = [r["pid"] for r in records_of(record_dir, kind="start", replica=replica) if r["pid"] != not_pid]
+    return starts[-1] if starts else 0
+
+
+def newest_step(record_dir: Path) -> int:
+    return max((r["step"] for r in records_of(record_dir, kind="step")), default=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("survivors-reference")
+    (root / "rec").mkdir()
+    result = fit_survivors({**SURVIVOR_JOB, "record_dir": str(root / "rec")}, root / "storage", "reference")
+    assert result.error is None
+    return root
+
+
+def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_uninterrupted_run(
+        uninterrupted, tmp_path):
+    record = tmp_path / "rec"
+    record.mkdir()
+    storage = tmp_path / "storage"
+    released = [tmp_path / "replacement-1-started", tmp_path / "replacement-0-started"]
+    config = {**SURVIVOR_JOB, "record_dir": str(record), "faults": "slow_write:upload=30:seconds=4",
+              # The survivors stop at these steps until the test saw the replacement start, so that
+              # it joins before the run ends (joining needs steps to be trained).
+              "wait_at": [{"step": 20, "until": str(released[0])}, {"step": 40, "until": str(released[1])}]}
+    outcome = {}
+    run = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, "survivors")))
+    run.start()
+    try:
+        # Kill 1: replica 1, in the middle of whatever step the replicas are in after step 5.
+        wait_until(lambda: newest_step(record) >= 5, timeout=300, what="step 5")
+        first = {replica: pid_of(record, replica) for replica in range(3)}
+        os.kill(first[1], signal.SIGKILL)
+        wait_until(lambda: pid_of(record, 1, not_pid=first[1]), timeout=300, what="replica 1's replacement")
+        released[0].touch()
+        # Kill 2: the lead (replica 0) while the checkpoint of step 30 is being written in the background.
+        checkpoint_30 = storage / "survivors" / "checkpoint_0000000030_000"
+        wait_until(checkpoint_30.exists, timeout=300, what="the checkpoint of step 30 being written")
+        assert not (checkpoint_30 / ".metadata").exists()
+        os.kill(first[0], signal.SIGKILL)
+        wait_until(lambda: pid_of(record, 0, not_pid=first[0]), timeout=300, what="replica 0's replacement")
+        released[1].touch()
+    finally:
+        for path in released:
+            path.touch()
+        run.join()
+    assert outcome["result"].error is None
+
+    # The survivors never left their processes: replica 2 ran in one process from start to end,
+    # and each killed replica's first process trained on after the other's kill.
+    assert [r["pid"] for r in records_of(record, kind="start", replica=2)] == [first[2]]
+    steps_of = defaultdict(list)
+    for r in records_of(record, kind="step"):
+        steps_of[r["pid"]].append(r["step"])
+    assert steps_of[first[2]] == list(range(1, 61))
+    survivor_of_kill_1 = steps_of[first[0]]
+    assert survivor_of_kill_1 == list(range(1, len(survivor_of_kill_1) + 1)) and len(survivor_of_kill_1) >= 30
+
+    # Every sample of every epoch trained exactly once in kept steps: each step committed once per
+    # process, all of that step's processes agree on who trained it, and the micro-batches they
+    # computed are the plan's, none twice.
+    plan = SyntheticBatches(480, 48, 11, 0, 1)
+    for pid, steps in steps_of.items():
+        assert steps == sorted(set(steps)), pid
+    by_step = defaultdict(list)
+    for r in records_of(record, kind="step"):
+        by_step[r["step"]].append(r)
+    assert sorted(by_step) == list(range(1, 61))
+    for step, rs in by_step.items():
+        assert len({tuple(r["members"]) for r in rs}) == 1, step
+        parts = [int(k) for r in rs for k in r["parts"]]
+        assert len(parts) == len(set(parts)) and set(parts) <= {0, 1, 2}
+        for r in rs:
+            for part, ids in r["parts"].items():
+                assert ids == plan.micro_batch(step - 1, int(part), 3)[0].tolist()
+    assert {len(rs[0]["members"]) for rs in by_step.values()} == {2, 3}  # degraded, then whole again
+
+    # Deterministic reductions: bitwise the weights of the uninterrupted run, and its losses.
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
+    reference_losses = {r["step"]: r["loss"] for r in records_of(uninterrupted / "rec", kind="step")}
+    assert {step: rs[0]["loss"] for step, rs in by_step.items()} == reference_losses
+
+    # Each replacement's state equals, bitwise, a survivor's at the step it joined.
+    replacements = [r for r in records_of(record, kind="joined") if r["pid"] not in first.values()]
+    assert sorted(r["replica"] for r in replacements) == [0, 1]
+    for joined in replacements:
+        assert 0 < joined["step"] < 60
+        assert joined["sha"] in {r["sha"] for r in by_step[joined["step"]] if r["pid"] in first.values()}
+
+    # The checkpoint being written by the killed lead never completed; the new lead kept saving.
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "survivors"))
+    assert all(c.complete for c in checkpoints) and 30 not in {c.step for c in checkpoints}
+    assert checkpoints[-1].step == 60
+    # ... in plain DCP: torch alone loads the final weights from the final checkpoint.
+    final = trainlib.final_weights(record)
+    loaded = {"model": {key: torch.zeros_like(value) for key, value in final.items()}}
+    dcp.load(loaded, checkpoint_id=checkpoints[-1].path, no_dist=True)
+    trainlib.assert_same_weights(loaded["model"], final)
+
+    # The ledger has the survivors' events: two memberships lost a replica, two took one in,
+    # each replacement copied from a live replica.
+    events = read_events(pafs.LocalFileSystem(), str(storage / "survivors"))
+    changes = [e for e in events if e["kind"] == "membership"]
+    assert [(e["lost"], e["joined"]) for e in changes if e["lost"]] == [([1], []), ([0], [])]
+    assert sorted(e["joined"][0] for e in changes if e["joined"]) == [0, 1]
+    assert len([e for e in events if e["kind"] == "peer_recovery"]) == 2
+
+
+def fit_survivors_in_driver(config: dict) -> dict:
+    """Runs in a driver process: ``survivor_fn`` with the recommended configuration in survivor mode."""
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    ray.init(address=config["address"])
+    ray_config = recommended_ray_config(config["name"], config["storage"], workers=3, max_failures=3,
+                                        survivors=True, spare_workers=False)
+    result = ray_config.fit(TorchTrainer(trainlib.survivor_fn, train_loop_config=config["loop"],
+                                         **ray_config.trainer_kwargs()))
+    assert result.error is None, result.error
+    return {}
+
+
+def test_a_killed_driver_resumes_from_the_newest_complete_checkpoint(uninterrupted, tmp_path, tmp_path_factory):
+    record, storage = tmp_path / "rec", tmp_path / "storage"
+    record.mkdir()
+    released = tmp_path / "released"
+    loop = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 25, "until": str(released)}]}
+    config = {"name": "survivors", "storage": str(storage), "loop": loop}
+    with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
+        cluster.add_node(cpus=4)
+        config["address"] = cluster.address
+        first = Driver.start("test_survivors:fit_survivors_in_driver", config, env=cluster.env, workdir=tmp_path,
+                             name="first")
+        wait_until(lambda: first.running() and newest_step(record) >= 25, timeout=300, what="step 25")
+        first.kill()
+        first_pids = {r["pid"] for r in records_of(record, kind="start")}
+        wait_until(lambda: not any(trainlib.alive(pid) for pid in first_pids), timeout=120,
+                   what="the dead driver's workers")
+        newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "survivors")) if c.complete][-1]
+        assert newest.step == 20
+        released.touch()
+        Driver.start("test_survivors:fit_survivors_in_driver", config, env=cluster.env, workdir=tmp_path,
+                     name="second").wait(timeout=600)
+    restarted = [r for r in records_of(record, kind="joined") if r["pid"] not in first_pids]
+    assert sorted(r["replica"] for r in restarted) == [0, 1, 2] and {r["step"] for r in restarted} == {20}
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
