@@ -96,7 +96,7 @@ class SurvivingReplicas:
                 f"survivor mode needs a model whose forward pass changes no buffers, but {stateful[0]!r} is a "
                 "BatchNorm that tracks running statistics: each replica would see other micro-batches. Use "
                 "GroupNorm or LayerNorm, or BatchNorm with track_running_stats=False")
-        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.micro_batches, self.seed, self.interval = micro_batches, seed, checkpoint_interval
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.step = 0
