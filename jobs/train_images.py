@@ -44,7 +44,8 @@ from ray_resilient.data import (
     eval_transform,
 )
 from ray_resilient.goodput import parse_duration
-from ray_resilient.tracking import BackgroundMetrics, MlflowMetrics, current_run_name, default_tracking_uri
+from ray_resilient.tracking import (BackgroundMetrics, MlflowMetrics, current_run_name, default_tracking_uri,
+                                    log_artifact)
 
 MODEL_FILE = "final_model.pt"
 
@@ -96,8 +97,7 @@ def export_model(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) ->
     with tempfile.TemporaryDirectory() as local:  # and as an MLflow artifact of the run
         with open(os.path.join(local, MODEL_FILE), "wb") as out:
             out.write(buffer.getvalue())
-        mlflow = MlflowMetrics(current_run_name())
-        mlflow.client.log_artifact(mlflow.run_id, os.path.join(local, MODEL_FILE))
+        log_artifact(current_run_name(), os.path.join(local, MODEL_FILE))
     return path
 
 
@@ -244,10 +244,9 @@ def print_summary(result: ray.train.Result, config: dict[str, Any], run_dir: str
         filesystem, path = open_filesystem(run_dir)
         with open(png, "rb") as source, filesystem.open_output_stream(f"{path}/goodput_timeline.png") as out:
             out.write(source.read())
-        mlflow = MlflowMetrics(os.path.basename(run_dir.rstrip("/")))
-        mlflow.client.log_artifact(mlflow.run_id, png)
+        in_mlflow = log_artifact(os.path.basename(run_dir.rstrip("/")), png)
     ui = tracking_uri if tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {tracking_uri}"
-    print(f"goodput timeline:  {run_dir}/goodput_timeline.png (and in the MLflow run)")
+    print(f"goodput timeline:  {run_dir}/goodput_timeline.png{' (and in the MLflow run)' if in_mlflow else ''}")
     print(f"val accuracy:      {metrics.get('val_accuracy', float('nan')):.3f}")
     print(f"checkpoints:       {run_dir} (final: {result.checkpoint.path if result.checkpoint else None})")
     print(f"exported model:    {run_dir}/{MODEL_FILE} (torch.load it; rebuild with "

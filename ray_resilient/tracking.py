@@ -7,12 +7,17 @@ MLflow outage (its client retries for minutes, then raises) neither blocks nor r
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,35 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{directory}/mlflow.db"
 
 
+def _sqlite_file(uri: str) -> str | None:
+    """The database file of a ``sqlite:///PATH`` URI, None for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return uri[len("sqlite:///"):].split("?", 1)[0] or None
+
+
+def open_tracking_client(uri: str | None = None) -> MlflowClient:
+    """An ``MlflowClient`` on ``uri`` (default :func:`default_tracking_uri`), its store ready.
+
+    MLflow creates a new SQLite store by running its schema migrations in the first process that
+    opens it; two processes (or threads) that do so at once can leave the store half-migrated, and
+    unusable, for good. A local SQLite store is therefore opened under an exclusive lock on
+    ``<database>.lock``.
+    """
+    from mlflow.tracking import MlflowClient
+
+    uri = uri or default_tracking_uri()
+    database = _sqlite_file(uri)
+    if database is None:
+        return MlflowClient(uri)
+    os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
+    with open(f"{database}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)  # opens the store: creates and migrates it if new
+        return client
+
+
 def current_run_name() -> str:
     """The Ray Train run's name inside a train function, else ``"ray_resilient"``."""
     try:
@@ -57,10 +91,8 @@ class MlflowMetrics:
 
     def __init__(self, run_name: str, tracking_uri: str | None = None, experiment: str = "ray_resilient",
                  prefix: str = ""):
-        from mlflow.tracking import MlflowClient
-
         uri = tracking_uri or default_tracking_uri()
-        self.client = MlflowClient(uri)
+        self.client = open_tracking_client(uri)
         self.prefix = prefix
         # The loggers of one process (the job's, the loader's, the goodput recorder's) start on
         # their own threads, possibly at once: one of them finds or creates the run at a time.
@@ -80,6 +112,19 @@ class MlflowMetrics:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[
             Metric(f"{self.prefix}{key}", float(value), now, step) for key, value in metrics.items()])
+
+
+def log_artifact(run_name: str, local_path: str, tracking_uri: str | None = None) -> bool:
+    """Add a file to the MLflow run of ``run_name``; False, with a warning, if the store fails
+    (the file is already kept elsewhere: telemetry never fails a run)."""
+    try:
+        mlflow = MlflowMetrics(run_name, tracking_uri)
+        mlflow.client.log_artifact(mlflow.run_id, local_path)
+    except Exception as err:
+        logger.warning("could not add %s to the MLflow run %r (%s: %s)", os.path.basename(local_path), run_name,
+                       type(err).__name__, err)
+        return False
+    return True
 
 
 class BackgroundMetrics:

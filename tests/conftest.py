@@ -24,8 +24,12 @@ sys.path.insert(0, str(TESTS_DIR))
 
 @pytest.fixture(autouse=True, scope="session")
 def mlflow_store(tmp_path_factory):
-    """A real, local MLflow tracking store for the session (never the user's own)."""
+    """A real, local MLflow tracking store for the session (never the user's own), created here
+    before any test's processes open it."""
+    from ray_resilient.tracking import open_tracking_client
+
     uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    open_tracking_client(uri)
     os.environ["MLFLOW_TRACKING_URI"] = uri
     return uri
 

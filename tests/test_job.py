@@ -31,10 +31,12 @@ def test_train_ddp_job_survives_an_injected_worker_kill(tmp_path):
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-5000:]
     assert "Injecting fault kill-step-25-rank1" in log
-    assert "Resuming at step 20" in log or "Resuming at step 10" in log  # 20 may still be in flight
+    resumed = 20 if "Resuming at step 20" in log else 10  # 20 may still have been in flight
+    assert f"Resuming at step {resumed}" in log
     assert "Done: step 32" in log  # 2 epochs x 1024 // 64 batches
-    # A worker's print reaches the driver once (Ray Train's print patch sent it twice).
-    assert [log.count(f"[rank 0] epoch {epoch}: ") for epoch in (0, 1)] == [1, 1]
+    # A worker's print reaches the driver once (Ray Train's print patch sent it twice). Epoch 0 ends
+    # at step 16: a resume from step 10 trains its end again and prints its line again.
+    assert [log.count(f"[rank 0] epoch {epoch}: ") for epoch in (0, 1)] == [1 if resumed == 20 else 2, 1]
     assert log.count("[rank 0] 2 workers, starting at step 0 (epoch 0)") == 1
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "demo"))
     assert checkpoints[-1].step == 32 and checkpoints[-1].complete
@@ -158,13 +160,19 @@ def test_the_image_job_with_fsdp2_recovers_a_kill_and_exports_the_whole_model(tm
 def test_the_image_job_on_a_changed_dataset_stops_at_once_and_keeps_every_checkpoint(tmp_path):
     """The same run name on a volume with more images: the saved data position does not fit. The
     run must end at the first attempt with an error naming the checkpoint and the change, instead of
-    falling back, starting fresh or spending its restarts, and keep every checkpoint."""
+    falling back, starting fresh or spending its restarts, and keep every checkpoint. (Its first run
+    also shows that a broken MLflow store costs the run nothing.)"""
     for name, per_class in (("A", 40), ("B", 48)):
         for split, count in (("train", per_class), ("val", 10)):
             make_image_volume(pafs.LocalFileSystem(), str(tmp_path / name / split), classes=4, per_class=count, size=32,
                               seed=1)
     arguments = ["--epochs", "2", "--interval", "1", "--storage-path", str(tmp_path / "runs"), "--name", "r"]
-    run_image_job(tmp_path, ["--volume", str(tmp_path / "A"), *arguments])
+    # The first run's tracking store is not a database: telemetry fails, the run must not.
+    (tmp_path / "broken.db").write_text("not a database")
+    log, _ = run_image_job(tmp_path, ["--volume", str(tmp_path / "A"), "--tracking-uri",
+                                      f"sqlite:///{tmp_path}/broken.db", *arguments])
+    assert "could not add final_model.pt to the MLflow run" in log and "[attempt 2]" not in log
+    assert "could not add goodput_timeline.png to the MLflow run" in log
     run_dir = str(tmp_path / "runs" / "r")
     before = list_checkpoints(pafs.LocalFileSystem(), run_dir)
     assert before[-1].complete
