@@ -1,8 +1,8 @@
-"""Goodput under chaos: ray_resilient vs. the naive checkpointing baseline, same job, same kills.
+"""Goodput under chaos: ray_resilient, its survivor mode and the naive checkpointing baseline, same job, same kills.
 
 Setup
     One local multi-node Ray cluster (:class:`ray_resilient.testing.LocalRayCluster`: a head
-    node with 0 CPUs plus one worker node with ``--node-cpus`` CPUs, default 2) runs two
+    node with 0 CPUs plus one worker node with ``--node-cpus`` CPUs, default 2) runs three
     ``TorchTrainer.fit()`` calls, one after the other, each from its own driver subprocess through
     :func:`ray_resilient.recommended_ray_config` (``--workers`` CPU workers on gloo, health check
     every 0.5 s, ``max_failures`` = the kills scheduled) and ``ResilientRayConfig.fit`` (which
@@ -16,16 +16,16 @@ Setup
     16-sample global batch of ``SyntheticBatches`` (``ray_resilient.testing``: ``--samples`` 800, the
     order a pure function of (seed, epoch)); DDP all-reduces 171 MiB of gradients a step over gloo.
 
-    Kills: ``--kills`` (4) in one seeded schedule for both runs, in wall-clock time from ``fit()``:
+    Kills: ``--kills`` (4) in one seeded schedule for every run, in wall-clock time from ``fit()``:
     gaps drawn uniformly from [0.75, 1.25] x ``--mtbf`` (60 s), each of a random rank. A rank
     checks after each step whether its next kill is due and then SIGKILLs itself (a marker file in
     the run dir makes each kill fire once per run), so both runs lose workers at the same moments
     of their run, as failures arrive in wall-clock time. (A schedule in steps would hand the slower
     run fewer failures per hour.) The count is fixed so that the naive run finishes: it needs an
     epoch without a failure to get past one. Every kill makes Ray Train restart the whole worker
-    group.
+    group, except in survivor mode.
 
-The two runs
+The three runs
     resilient  ``Checkpointer(interval_steps="auto", mtbf_s=60)``: sharded asynchronous DCP
                checkpoints (each rank stages its half of the replicated state, a background thread
                writes it), registered with Ray once durable; restore of the newest complete
@@ -44,6 +44,15 @@ The two runs
                then are trained again (the ledger counts their first run as wasted: a step number
                recorded again). Its train function records the same ledger events as the checkpointer
                does (``attempt_start``, ``restore``, ``step``, ``save``, ``finish``).
+    survivors  ``recommended_ray_config(..., survivors=True)`` and ``SurvivingReplicas``: each worker
+               a whole replica (no DDP), the global batch cut into ``--workers`` micro-batches of 8
+               (each ``--step-seconds`` of emulated compute plus a real forward/backward), each
+               micro-batch's gradient a row of one gloo all-gather (at 2 workers 171 MiB each way,
+               as DDP's all-reduce, but after the backward pass instead of overlapped with it). A kill makes the survivor drop the step in flight and train it again
+               alone (both micro-batches); Ray replaces only the dead worker, which copies the
+               state from the survivor and joins at a step boundary. The lead saves a plain DCP
+               checkpoint every ``--survivor-interval`` steps (50: the safety net for losing the
+               whole job, which no kill here does). Spare workers as in the resilient run.
 
 Measurement
     Goodput and its breakdown come from each run's ledger (``ray_resilient.goodput.account``),
@@ -55,7 +64,11 @@ Measurement
     trained on (those no later attempt restored a checkpoint older than), (epoch, sample id) pairs
     seen more often than in an uninterrupted run are "trained twice", pairs it would have seen
     and never were are "skipped"; ``naive_resampled`` is their sum (for the resilient run both 0).
-    The PNG timelines are ``ray_resilient.goodput.report.render_report``'s.
+    In survivor mode a step's kept micro-batches are those of the membership that went on from
+    it, and the planner's prediction does not apply (no restarts); instead, per kill, the
+    survivor's ``pause``: from its commit of the killed replica's last step to its commit of the
+    next one, minus the median step. The PNG timelines are
+    ``ray_resilient.goodput.report.render_report``'s.
 
 Machine
     A 2-core AMD EPYC Firecracker VM, 24 GiB RAM, torch CPU, Ray 2.60 (Train V2), shared with
@@ -108,8 +121,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 DATA_MODULE = "ray_resilient.testing.synthetic_data"
 
-RESILIENT, NAIVE = "resilient", "naive"
-RUNS = (RESILIENT, NAIVE)
+RESILIENT, NAIVE, SURVIVORS = "resilient", "naive", "survivors"
+RUNS = (RESILIENT, NAIVE, SURVIVORS)
 HIDDEN_LAYERS = 7  # square hidden Linear layers; their width sets the state size
 ADAM_BYTES_PER_PARAM = 12  # fp32 parameter + Adam's two fp32 moments
 STEP_TIMES_KEPT = 50  # as Checkpointer: the step time is the median of the last 50
@@ -197,9 +210,13 @@ class TimedKills:
 
 
 class Job:
-    """What both runs share: the model, the optimizer, the data, the step and the kills."""
+    """What the runs share: the model, the optimizer, the data, the step and the kills.
 
-    def __init__(self, config: dict[str, Any], run: str):
+    ``replica=True`` (survivor mode): the model is not wrapped in DDP (``SurvivingReplicas`` reduces
+    the gradients) and the data serves micro-batches of the whole global batch.
+    """
+
+    def __init__(self, config: dict[str, Any], run: str, replica: bool = False):
         import ray.train
         import torch
         from ray.train.torch import prepare_model
@@ -211,9 +228,11 @@ class Job:
         self.config = config
         self.log = RankLog(config["record_dir"], run, self.rank)
         torch.manual_seed(config["seed"])
-        self.model = prepare_model(build_model(config["state_mb"]))
+        model = build_model(config["state_mb"])
+        self.model = model if replica else prepare_model(model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
-        self.data = SyntheticBatches(config["samples"], config["global_batch"], config["seed"], self.rank, self.world)
+        self.data = SyntheticBatches(config["samples"], config["global_batch"], config["seed"],
+                                     *((0, 1) if replica else (self.rank, self.world)))
         self.epochs = math.ceil(config["max_steps"] / self.data.batches_per_epoch) + 1
         self.kills = TimedKills(config["schedule"], config["t0"], self.rank,
                                 f"{self.storage.experiment_fs_path}/.chaos", self.log)
@@ -257,6 +276,38 @@ def train_resilient(config: dict[str, Any]) -> None:
         step, _ = job.train(state.epoch, state.step, lambda _step, epoch: ckpt.step_completed(epoch))
         ckpt.finish()
     job.log(finished=step)
+
+
+def train_survivors(config: dict[str, Any]) -> None:
+    """Survivor mode: each worker a whole replica; the global batch in ``world`` micro-batches, each
+    ``--step-seconds`` of emulated compute plus a real forward/backward. A kill drops the step in
+    flight on the others, which train it again without the dead replica; its replacement copies the
+    state from a live one. The lead saves a DCP checkpoint every ``survivor_interval`` steps (the
+    safety net for losing the whole job)."""
+    import torch
+
+    from ray_resilient.survivors import SurvivingReplicas
+
+    job = Job(config, SURVIVORS, replica=True)
+    parts, per_epoch = job.world, job.data.batches_per_epoch
+    computed: dict[int, list[int]] = {}
+
+    def loss_of(step: int, part: int) -> torch.Tensor:
+        ids, x, y = job.data.micro_batch(step, part, parts)
+        computed[part] = ids.tolist()
+        time.sleep(config["step_seconds"])
+        return torch.nn.functional.cross_entropy(job.model(x), y)
+
+    with SurvivingReplicas(job.model, job.optimizer, micro_batches=parts, seed=config["seed"],
+                           checkpoint_interval=config["survivor_interval"]) as replicas:
+        job.log(joined=replicas.step)
+        while replicas.step < config["max_steps"]:
+            computed.clear()
+            replicas.train_step(loss_of)
+            job.log(step=replicas.step, epoch=(replicas.step - 1) // per_epoch, members=list(replicas.members),
+                    parts={k: computed[k] for k in replicas.last_parts})
+            job.kills.check(replicas.step)
+    job.log(finished=replicas.step)
 
 
 class NaiveCheckpoints:
@@ -396,9 +447,10 @@ def drive(config: dict[str, Any]) -> dict[str, Any]:
     ray.init(address=config["address"])
     # Spare workers come with ray_resilient's Checkpointer; the naive loop has none.
     ray_config = recommended_ray_config(config["run"], config["storage"], workers=config["workers"],
-                                        max_failures=config["max_failures"], spare_workers=config["run"] == RESILIENT,
-                                        preload=(*DEFAULT_PRELOAD_MODULES, DATA_MODULE, "goodput_chaos"))
-    train_fn = train_resilient if config["run"] == RESILIENT else train_naive
+                                        max_failures=config["max_failures"], spare_workers=config["run"] != NAIVE,
+                                        preload=(*DEFAULT_PRELOAD_MODULES, DATA_MODULE, "goodput_chaos"),
+                                        survivors=config["run"] == SURVIVORS)
+    train_fn = {RESILIENT: train_resilient, NAIVE: train_naive, SURVIVORS: train_survivors}[config["run"]]
     loop = {**config["loop"], "t0": time.time()}  # the kill schedule's clock starts with fit()
     trainer = TorchTrainer(train_fn, train_loop_config=loop, **ray_config.trainer_kwargs())
     outcome: dict[str, Any] = {"t0": loop["t0"]}
@@ -457,6 +509,30 @@ def kept_samples(attempts: list[list[dict[str, Any]]]) -> Counter:
     return seen
 
 
+def survivor_kept_samples(processes: list[list[dict[str, Any]]]) -> Counter:
+    """(epoch, sample id) of every committed step of survivor mode that the run kept: a step's kept
+    micro-batches are those logged by the processes of the membership that went on from it (a
+    step dropped and trained again by fewer replicas keeps only the second try)."""
+    last: dict[int, float] = {}
+    by_step: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for process, lines in enumerate(processes):
+        for line in lines:
+            if "parts" in line:
+                by_step.setdefault(line["step"], []).append((process, line))
+                last[process] = max(last.get(process, 0), line["step"])
+            if "finished" in line:
+                last[process] = math.inf
+    seen: Counter = Counter()
+    for step, records in by_step.items():
+        went_on = {tuple(line["members"]) for process, line in records if last[process] > step}
+        if len(went_on) != 1:  # nobody carried this step on (or they disagree): none of it is kept
+            continue
+        for _, line in records:
+            if tuple(line["members"]) in went_on:
+                seen.update((line["epoch"], i) for ids in line["parts"].values() for i in ids)
+    return seen
+
+
 def expected_samples(args: argparse.Namespace) -> Counter:
     """(epoch, sample id) of an uninterrupted run of ``args.steps`` steps."""
     from ray_resilient.testing.synthetic_data import SyntheticBatches
@@ -477,9 +553,11 @@ def expected_samples(args: argparse.Namespace) -> Counter:
 def resampled(record_dir: Path, run: str, args: argparse.Namespace) -> tuple[int, int]:
     """(samples trained again within an epoch, samples of the run's data budget never trained) over
     the kept steps of every rank, against an uninterrupted run."""
-    seen: Counter = Counter()
-    for attempts in read_rank_logs(record_dir, run).values():
-        seen += kept_samples(attempts)
+    logs = read_rank_logs(record_dir, run)
+    if run == SURVIVORS:  # which steps were kept is decided across the replicas
+        seen = survivor_kept_samples([lines for attempts in logs.values() for lines in attempts])
+    else:
+        seen = sum((kept_samples(attempts) for attempts in logs.values()), Counter())
     expected = expected_samples(args)
     return sum((seen - expected).values()), sum((expected - seen).values())
 
@@ -489,6 +567,21 @@ def kills_fired(record_dir: Path, run: str, t0: float) -> list[dict[str, Any]]:
              for line in lines if "kill" in line]
     return [{"at": k["t"] - t0, "planned": k["planned"], "step": k["step"]}
             for k in sorted(kills, key=lambda k: k["t"])]
+
+
+def survivor_pauses(logs: dict[int, list[list[dict[str, Any]]]], step_s: float) -> list[float]:
+    """Per kill in survivor mode: on the slowest survivor, the time from its commit of the killed
+    replica's last step to its commit of the next one, minus the median step."""
+    processes = [lines for attempts in logs.values() for lines in attempts]
+    committed = [{line["step"]: line["t"] for line in lines if "parts" in line} for lines in processes]
+    pauses = []
+    for killed, lines in enumerate(processes):
+        for kill in (line for line in lines if "kill" in line):
+            gaps = [times[kill["step"] + 1] - times[kill["step"]] for other, times in enumerate(committed)
+                    if other != killed and kill["step"] in times and kill["step"] + 1 in times]
+            if gaps:
+                pauses.append(max(gaps) - step_s)
+    return pauses
 
 
 def steady_intervals(events: list[dict[str, Any]]) -> list[int]:
@@ -526,17 +619,24 @@ def analyse(run: str, root: Path, args: argparse.Namespace, outcome: dict[str, A
     attempts, job_starts = group_attempts(events)
     first_start = attempts[0].first_work() - min([attempts[0].start, *job_starts])
     restart_mean = statistics.mean(breakdown.restarts) if breakdown.restarts else 0.0
-    return {
+    kills = kills_fired(root / "record", run, outcome["t0"])
+    result = {
         "run": run, "breakdown": breakdown, "measured": measured, "gaps": gaps,
-        "interval_steps": interval_steps, "interval_s": interval_s,
+        "interval_steps": interval_steps, "interval_s": interval_s, "first_start": first_start,
+        "twice": twice, "skipped": skipped, "kills": kills,
+        "wall": outcome["fit_end"] - outcome["t0"], "foreign_cpu": outcome["foreign_cpu"], "report": report, "png": png,
+    }
+    if run == SURVIVORS:  # no restarts: the planner's model does not apply
+        pauses = survivor_pauses(read_rank_logs(root / "record", run), measured.step_s)
+        return {**result, "pause": statistics.median(pauses) if pauses else math.nan, "planner_steps": None,
+                "restart": None, "restart_mean": None, "predicted": None, "predicted_run": None}
+    return {
+        **result, "pause": None, "restart": restart, "restart_mean": restart_mean,
         "planner_steps": interval_steps_for(args.mtbf, measured.save_stall_s, measured.step_s),
         "predicted": expected_goodput(interval_s, measured.save_stall_s, restart, args.mtbf),
-        "first_start": first_start, "restart_mean": restart_mean,
         # the planner's G with the mean restart, scaled by the share of the run after its first start
         "predicted_run": expected_goodput(interval_s, measured.save_stall_s, restart_mean, args.mtbf)
         * (1 - first_start / breakdown.total),
-        "twice": twice, "skipped": skipped, "kills": kills_fired(root / "record", run, outcome["t0"]),
-        "wall": outcome["fit_end"] - outcome["t0"], "foreign_cpu": outcome["foreign_cpu"], "report": report, "png": png,
     }
 
 
@@ -552,10 +652,11 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, 
     for run, r in results.items():
         print(f"  {run}: kills at " + ", ".join(f"{k['at']:.0f}s (step {k['step']})" for k in r["kills"])
               + f"; steady save gaps (steps): {r['gaps']}")
-    rows: list[tuple[str, str, str]] = []
+    rows: list[tuple[str, ...]] = []
 
     def row(label: str, fmt: str, key) -> None:
-        rows.append((label, *(fmt.format(key(results[run])) for run in RUNS)))
+        """One line of the table; a value of None (does not apply to that run) shows as "-"."""
+        rows.append((label, *("-" if key(results[run]) is None else fmt.format(key(results[run])) for run in RUNS)))
 
     row("wall time of fit() (s)", "{:.1f}", lambda r: r["wall"])
     row("other users' CPU use, mean (cores of 2)", "{:.2f}", lambda r: r["foreign_cpu"])
@@ -564,8 +665,9 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, 
     row("checkpoint interval (s)", "{:.2f}", lambda r: r["interval_s"])
     row("planner's interval from measured (steps)", "{}", lambda r: r["planner_steps"])
     row("save stall, median (s)", "{:.3f}", lambda r: r["measured"].save_stall_s)
-    row("restart, median (s)", "{:.2f}", lambda r: r["measured"].restart_s or 0.0)
+    row("restart, median (s)", "{:.2f}", lambda r: r["restart"])
     row("restart, mean (s)", "{:.2f}", lambda r: r["restart_mean"])
+    row("survivors' pause after a kill, median (s)", "{:.2f}", lambda r: r["pause"])
     row("job's first start (s)", "{:.2f}", lambda r: r["first_start"])
     row("step time, median (s)", "{:.3f}", lambda r: r["measured"].step_s)
     row("steps recomputed", "{}", lambda r: r["breakdown"].steps_recomputed)
@@ -576,10 +678,10 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, 
         row(f"  share: {part.replace('_', ' ')}", "{:.1%}", lambda r, part=part: r["breakdown"].shares()[part])
     row("samples trained twice in an epoch", "{}", lambda r: r["twice"])
     row("samples skipped", "{}", lambda r: r["skipped"])
-    widths = [max(len(r[i]) for r in rows + [("", RESILIENT, NAIVE)]) for i in range(3)]
-    print(f"\n{'':<{widths[0]}}  {RESILIENT:>{widths[1]}}  {NAIVE:>{widths[2]}}")
-    for label, a, b in rows:
-        print(f"{label:<{widths[0]}}  {a:>{widths[1]}}  {b:>{widths[2]}}")
+    header = ("", *RUNS)
+    widths = [max(len(r[i]) for r in [*rows, header]) for i in range(len(header))]
+    for line in [header, *rows]:
+        print(f"{line[0]:<{widths[0]}}" + "".join(f"  {cell:>{width}}" for cell, width in zip(line[1:], widths[1:])))
     for run, r in results.items():
         print(f"\n{r['report']}\ntimeline: {r['png']}")
     res, naive = results[RESILIENT], results[NAIVE]
@@ -596,6 +698,12 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, 
           f"resilient median step {res['measured'].step_s:.3f}s vs naive {naive['measured'].step_s:.3f}s "
           f"(background writes share the CPUs); resilient goodput counting its kept steps at the naive's "
           f"step time: {at_naive_step:.3f} ({at_naive_step / naive_goodput:.2f}x naive)")
+    survivors = results[SURVIVORS]
+    print(f"survivor mode: goodput {survivors['breakdown'].goodput:.3f} ({survivors['breakdown'].goodput / goodput:.2f}x "
+          f"resilient), wall time for the same steps survivors / resilient = {survivors['wall'] / res['wall']:.2f}, "
+          f"median step {survivors['measured'].step_s:.3f}s (gradients exchanged after the backward pass), "
+          f"samples trained twice {survivors['twice']}, skipped {survivors['skipped']}")
+    print(f"survivor_goodput={survivors['breakdown'].goodput:.3f}")
     print(f"goodput={goodput:.3f} naive_goodput={naive_goodput:.3f} predicted_goodput={res['predicted']:.3f} "
           f"naive_resampled={naive['twice'] + naive['skipped']}")
 
@@ -613,6 +721,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mtbf", type=float, default=60.0,
                         help="mean seconds between kills, also the planner's MTBF (default: 60)")
     parser.add_argument("--kills", type=int, default=4, help="worker kills, about one every --mtbf (default: 4)")
+    parser.add_argument("--survivor-interval", type=int, default=50,
+                        help="survivor mode's checkpoint interval, steps: its safety net for losing the whole job, "
+                             "which no kill here does (default: 50, an epoch)")
     parser.add_argument("--samples", type=int, default=800, help="synthetic samples per epoch (default: 800)")
     parser.add_argument("--global-batch", type=int, default=16, help="global batch size (default: 16)")
     parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (default: 2)")
@@ -674,7 +785,8 @@ def run_once(run: str, root: Path, args: argparse.Namespace, cluster: Any,
         "max_failures": len(schedule),
         "loop": {"record_dir": str(root / "record"), "schedule": schedule, "seed": args.seed, "mtbf_s": args.mtbf,
                  "state_mb": args.state_mb, "max_steps": args.steps, "step_seconds": args.step_seconds,
-                 "samples": args.samples, "global_batch": args.global_batch},
+                 "samples": args.samples, "global_batch": args.global_batch,
+                 "survivor_interval": args.survivor_interval},
     }
     started = time.monotonic()
     foreign: list[float] = []

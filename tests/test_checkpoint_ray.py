@@ -24,12 +24,13 @@ def test_uninterrupted_run_registers_complete_checkpoints_and_keeps_num_to_keep(
     assert restored == [0], f"the reference run was restarted (attempts restored steps {restored})"
     assert result.metrics["checkpoint_failed_saves"] == 0, f"the reference run failed saves: {result.metrics}"
     # num_to_keep=2 of 5, 10, 15, 20, 24; a save due while both staging sets were still being
-    # written (a loaded machine) is deferred to the next step, so the 20th may land on 21-23.
+    # written (a loaded machine) is deferred to the next step, so the 20th may land on 21-23, or
+    # reach step 24 and be the final save, leaving the 15th (or where it landed) before it.
     steps = [c.step for c in checkpoints]
     if result.metrics["checkpoint_deferred_saves"] == 0:
         assert steps == [20, 24], f"{checkpoints}; final metrics {result.metrics}"
     else:
-        assert len(steps) == 2 and 20 <= steps[0] < 24 and steps[1] == 24, f"{checkpoints}; {result.metrics}"
+        assert len(steps) == 2 and 15 <= steps[0] < 24 and steps[1] == 24, f"{checkpoints}; {result.metrics}"
     assert all(c.complete for c in checkpoints)
     assert result.checkpoint.path == checkpoints[-1].path
     assert result.metrics["step"] == 24 and result.metrics["checkpoint_failed_saves"] == 0

@@ -2,14 +2,16 @@
 
 Each Ray Train worker is one full replica of the model (DDP-style). A global batch is cut into a
 fixed number of micro-batches; the live replicas share them out (micro-batch ``k`` to the member
-of rank ``k % members``), and each micro-batch's gradient travels in its own row of one all-reduce,
-zero elsewhere. Every replica then adds the rows in micro-batch order. So the step's gradient is
-the same bits whichever replicas computed it: a run that lost replicas ends with bitwise the
-weights of an uninterrupted run, and no sample of a kept step is lost or trained twice. The cost
-is an all-reduce ``micro_batches`` times the size of the gradient.
+of rank ``k % members``), and each micro-batch's gradient travels as its own row of one
+all-gather. Every replica then adds the rows in micro-batch order. So the step's gradient is the
+same bits whichever replicas computed it: a run that lost replicas ends with bitwise the weights
+of an uninterrupted run, and no sample of a kept step is lost or trained twice. The cost: each
+replica receives the others' rows, ``(members - 1) / members x micro_batches`` gradients, where
+DDP's ring all-reduce moves ``2 (members - 1) / members``: the same traffic at ``micro_batches``
+= 2, and not overlapped with the backward pass.
 
-A step commits on a replica when its all-reduce succeeded there. A replica that dies breaks the
-gloo connections of that all-reduce at once; the others drop the step, ask the
+A step commits on a replica when its all-gather succeeded there. A replica that dies breaks the
+gloo connections of that all-gather at once; the others drop the step, ask the
 :class:`~ray_resilient.survivors.coordinator.MembershipCoordinator` for the next membership and
 train the same step again among themselves, in the same processes. Ray Train starts a
 replacement in the dead replica's place; it copies model, optimizer, scheduler, step and the
@@ -188,9 +190,10 @@ class SurvivingReplicas:
         self._faults.fire("step", self.step)  # "after step N": once the train function went on from it
         while True:
             started = time.time()
-            flat = self._gradients(loss_of)
+            mine = self._gradients(loss_of)
+            gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
             try:
-                self._wait(self._group.allreduce([flat]))
+                self._wait(self._group.allgather([gathered], [mine]))
             except RuntimeError as err:  # a replica is gone: gloo's connections to it broke, or the coordinator says
                 logger.warning("Step %d dropped on %d replicas (%s); continuing without the lost one",
                                self.step + 1, self.world_size, str(err).splitlines()[0][:200])
@@ -198,29 +201,31 @@ class SurvivingReplicas:
                              world_size=self.world_size)
                 self._change_membership()
                 continue
-            loss = self._apply(flat)
+            loss = self._apply(gathered)
             if not self._trained and spares_enabled():
                 SpareWorkerRequest().first_step()  # a warm process for the next replacement on this node
             self._trained = True
             self._record(EventKind.STEP, step=self.step, t_start=started, data_wait=0.0)
             if self.is_lead and self.interval and self.step % self.interval == 0:
                 self._save()
-            if flat[-1] > 0:  # a replacement is waiting: take it in at this step boundary
+            if gathered[0][-1] > 0:  # a replacement is waiting: take it in at this step boundary
                 self._change_membership()
             return loss
 
     def _gradients(self, loss_of: LossOf) -> torch.Tensor:
-        """One row per micro-batch (its gradient, then its loss), zero where another replica computes
-        it; the last element says whether a replacement waits (rank 0 looks)."""
-        flat = torch.zeros(self.micro_batches * self._row + 1)
+        """This replica's rows, one per micro-batch it computes (its gradient, then its loss; slots
+        ``ceil(micro_batches / members)``, the last one zero where it has fewer); the last element
+        says whether a replacement waits (rank 0 looks)."""
         rank, size = self._membership.rank(self.replica), self.world_size
+        slots = -(-self.micro_batches // size)
+        mine = torch.zeros(slots * self._row + 1)
         self.last_parts = tuple(range(rank, self.micro_batches, size))
-        for k in self.last_parts:
+        for slot, k in enumerate(self.last_parts):
             reseed_rng(self.seed, self.step, k)
             self.optimizer.zero_grad(set_to_none=True)
             loss = loss_of(self.step, k)
             loss.backward()
-            row = flat[k * self._row:(k + 1) * self._row]
+            row = mine[slot * self._row:(slot + 1) * self._row]
             offset = 0
             for param, size_ in zip(self._params, self._sizes):
                 if param.grad is not None:
@@ -228,14 +233,19 @@ class SurvivingReplicas:
                 offset += size_
             row[-1] = loss.detach()
         if rank == 0 and self._store.check([JOINERS_KEY]):
-            flat[-1] = 1.0
-        return flat
+            mine[-1] = 1.0
+        return mine
 
-    def _apply(self, flat: torch.Tensor) -> float:
-        rows = flat[:-1].view(self.micro_batches, self._row)
-        total = rows[0].clone()
+    def _apply(self, gathered: list[torch.Tensor]) -> float:
+        """Add every replica's rows in micro-batch order (the same bits on every replica), then step."""
+        size = len(gathered)
+
+        def row(k: int) -> torch.Tensor:  # micro-batch k: slot k // size of the member of rank k % size
+            return gathered[k % size][k // size * self._row:(k // size + 1) * self._row]
+
+        total = row(0).clone()
         for k in range(1, self.micro_batches):
-            total += rows[k]  # in micro-batch order, on every replica: the same bits
+            total += row(k)
         total /= self.micro_batches
         offset = 0
         for param, size in zip(self._params, self._sizes):
