@@ -91,7 +91,8 @@ from ray.train.torch import TorchTrainer, prepare_model
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ray_resilient import Checkpointer
-from ray_resilient._ray_internals import NO_API_SERVER
+from ray_resilient.storage import RunStorage
+from ray_resilient.testing import start_local_ray
 
 LAYERS = 8
 BATCH = 8
@@ -151,7 +152,7 @@ class Job:
                  write_threads: int):
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
-        self.experiment_path = context.get_storage().experiment_fs_path
+        self.experiment_path = RunStorage.from_ray_context().experiment_path
         torch.manual_seed(0)
         self.model = prepare_model(build_model(state_mb))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-4, momentum=0.9)
@@ -398,13 +399,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    # Without a dashboard this cluster has no state API server, so Ray Train's
-    # PlacementGroupCleaner would ask whichever dashboard listens on 127.0.0.1:8265 (another
-    # local Ray cluster's), not find this run's controller there, and remove the run's
-    # placement group mid-run. A closed port makes it fail to ask, as it does when alone.
-    os.environ.update(NO_API_SERVER)
     storage = tempfile.mkdtemp(prefix="checkpoint_stall_")
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    start_local_ray(num_cpus=4)
     try:
         two = run_trainer(2, METHODS, args, storage)
         one = run_trainer(1, (RESILIENT,), args, storage)

@@ -65,40 +65,7 @@ Machine
     cached download (GET, temp file, rename) costs the client 0.70 ms of CPU through the signed
     GET against 1.11 ms through pyarrow, and takes 1.5 ms against 2.9 ms of the whole machine.
 
-Results (2026-11-30, defaults)::
-
-    row           what                                       samples seconds samples/s fetch share
-    naive S3      plain Dataset, every file from S3              512   11.93        43
-    Ray Data S3   Ray Data read_images from S3                  3968   19.07       208
-    cold S3       ray_resilient epoch 1, empty cache            3968    4.76       833       0.981
-    warm S3       ray_resilient later epochs, cached (best)     3968    0.57      6980       0.871
-    naive local   plain Dataset, local files: ceiling (best)    3968    0.52      7646
-    warm local    ray_resilient over local files (best)         3968    0.57      6951       0.845
-    cold S3+step  ray_resilient epoch 1 + step, empty cache     3968    6.62       599       0.049
-    warm S3+step  ray_resilient later epoch + step, cached      3968    6.35       625       0.017
-    cold_vs_naive=19.43 warm_vs_local=0.913 fetch_share=0.049
-
-    Four runs of this code within an hour gave cold_vs_naive 17.2-21.6, warm_vs_local 0.892-0.913
-    and fetch_share 0.027-0.049: warm_vs_local sits at the target, the ~10% being what
-    ray_resilient does per sample that the plain Dataset does not (window, cache lookup,
-    per-sample seeding).
-    The machine moves these by up to 2x from one minute to the next (the same code's cold S3 row
-    gave 1041 samples/s in a quiet minute and 715-800 in a busy one), so compare ratios from one run.
-
-    How the cold fetch share went from 0.055-0.15 to 0.03-0.05 (the range of repeated runs):
-    with the downloads on 16 threads in each DataLoader worker, timing each batch inside the
-    workers showed decoding a batch take 100-170 ms while a fresh prefetch window filled, against
-    8 ms alone: every torch op of the decode and augmentation releases the GIL, and getting it
-    back waits behind download threads running Python (signing, HTTP, headers). A decode loop
-    beside 16 download threads in its process took 27-35 ms a batch; beside the same downloads in
-    another process, 10-11 ms. So each worker's downloads now run in a child process at niceness
-    +10 (``ray_resilient.data.download_process``). Second, each worker stalled about 0.3 s twice
-    an epoch in full garbage collections over the objects its imports made (torch, torchvision,
-    pyarrow, botocore); ``gc.freeze()`` once the worker starts removed them. What is left is CPU:
-    during the cold epoch the 2 cores are 90% busy, the download processes using 3.2 s each
-    (1.6 ms a file, most of it creating the cache file: 0.65 ms of kernel time a file in this
-    machine's /tmp, an ext4 directory with heavy churn, against 0.05 ms in another directory on
-    the same disk), SeaweedFS 1.9 s and the proxy 0.7 s, which on a real cluster run elsewhere.
+Results, and how the cold fetch share was brought down: ``docs/benchmarks.md``.
 
 The last line printed is the summary the issue asks for (fetch_share: the cold-cache one)::
 
@@ -134,8 +101,7 @@ from ray_resilient.data import (
     VolumeImageDataset,
     default_transform,
 )
-from ray_resilient.testing import S3Server, make_image_volume, seaweedfs
-from ray_resilient.testing.ports import LOOPBACK
+from ray_resilient.testing import LOOPBACK, S3Server, make_image_volume, seaweedfs
 
 BENCHMARKS = Path(__file__).resolve().parent
 

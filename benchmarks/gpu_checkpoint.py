@@ -50,6 +50,7 @@ from ray.train.torch import TorchTrainer, get_device
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ray_resilient import Checkpointer, recommended_ray_config
+from ray_resilient.testing import start_local_ray
 
 LAYERS = 8
 BATCH = 8
@@ -224,7 +225,7 @@ def main() -> None:
     storage = args.storage or tempfile.mkdtemp(prefix="gpu_checkpoint_")
     files = {name: os.path.join(storage, f"{name}.json") for name in ("results", "resume")}
     config = {**vars(args), **files, "final": os.path.join(storage, "final_state.pt")}
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    start_local_ray(log_to_driver=False)
     try:
         fit(measure_fn, config, storage, use_gpu)
         fit(resume_fn, config, storage, use_gpu)

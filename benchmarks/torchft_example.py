@@ -10,9 +10,8 @@ after how long. torchft is not a dependency of this project; install it beside t
         opentelemetry-exporter-otlp-proto-common
     PYTHONPATH=/tmp/tftlib .venv/bin/python benchmarks/torchft_example.py
 
-Result (2026-12-01, 2 cores, torchft 0.2.0, Ray 2.60): Ray replaced the failed replica, then every
-attempt's Lighthouse quorum request ended in "Timeout expired" until ``max_failures`` was used up:
-``fit()`` raised ``WorkerGroupError`` after 257 s. See ``ray_resilient/survivors/__init__.py``.
+Result: ``docs/benchmarks.md`` (it did not recover); why that decided survivor mode's design:
+``ray_resilient/survivors/__init__.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Generate a small, learnable JPEG dataset in ImageFolder layout (root/<class>/<n>.jpg).
 
-The images come from :mod:`ray_resilient.testing.image_volume` (coloured shapes on noise). Writes
+The images come from :func:`ray_resilient.testing.make_image_volume` (coloured shapes on noise). Writes
 to a local directory or to S3 (``s3://bucket/prefix``, endpoint and credentials from the usual
 ``AWS_*`` environment variables).
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from ray_resilient.storage import open_filesystem
-from ray_resilient.testing.image_volume import SHAPES, make_image_volume
+from ray_resilient.testing import SHAPES, make_image_volume
 
 
 def main(argv: list[str] | None = None) -> None:

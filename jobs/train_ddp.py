@@ -22,7 +22,7 @@ import torch
 from ray.train.torch import TorchTrainer, prepare_model
 
 from ray_resilient import Checkpointer, connect_ray, recommended_ray_config
-from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
+from ray_resilient.testing import CLASSES, FEATURES, SyntheticBatches
 
 def train_fn(config: dict[str, Any]) -> None:
     """The train function: restore, train with periodic async checkpoints, final checkpoint."""

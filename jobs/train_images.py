@@ -44,6 +44,7 @@ from ray_resilient.data import (
     eval_transform,
 )
 from ray_resilient.goodput import parse_duration
+from ray_resilient.storage import RunStorage
 from ray_resilient.tracking import (BackgroundMetrics, MlflowMetrics, current_run_name, default_tracking_uri,
                                     log_artifact)
 
@@ -87,12 +88,12 @@ def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int
 
 def export_model(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> str:
     """Write the trained weights and what is needed to rebuild the model next to the run's checkpoints."""
-    storage = ray.train.get_context().get_storage()
-    path = f"{storage.experiment_fs_path}/{MODEL_FILE}"
+    storage = RunStorage.from_ray_context()
+    path = f"{storage.experiment_path}/{MODEL_FILE}"
     buffer = io.BytesIO()
     torch.save({"model": config["model"], "classes": config["class_names"], "image_size": config["image_size"],
                 "state_dict": state_dict}, buffer)
-    with storage.storage_filesystem.open_output_stream(path) as out:
+    with storage.filesystem.open_output_stream(path) as out:
         out.write(buffer.getvalue())
     with tempfile.TemporaryDirectory() as local:  # and as an MLflow artifact of the run
         with open(os.path.join(local, MODEL_FILE), "wb") as out:
@@ -234,8 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def print_summary(result: ray.train.Result, config: dict[str, Any], run_dir: str, tracking_uri: str) -> None:
     """The end of the job: goodput report and timeline (next to the run, and in MLflow), where everything is."""
+    from ray_resilient.goodput import render_report
     from ray_resilient.storage import open_filesystem
-    from ray_resilient.goodput.report import render_report
 
     metrics = result.metrics or {}
     with tempfile.TemporaryDirectory() as local:

@@ -1,13 +1,27 @@
 """ray_resilient: fast, fault-tolerant PyTorch training on Ray Train.
 
-Public: the names in ``__all__`` here and in ``checkpoint``, ``data`` and ``goodput``, plus
-``ray_resilient.testing`` (the rig, for running our chaos tools against your jobs) and the
-``ray-resilient`` command. Modules with a leading underscore, and the modules behind the
-exported names, are internal. Names are imported on first use (:mod:`ray_resilient._lazy`):
-``import ray_resilient`` alone imports neither torch nor Ray.
+Public: the names in ``__all__`` here and in ``checkpoint``, ``data``, ``goodput``, ``storage``,
+``survivors`` and ``tracking``, plus ``ray_resilient.testing`` (the rig, for running our chaos
+tools against your jobs) and the ``ray-resilient`` command. Every other module, and the modules
+behind the exported names, are internal: jobs, benchmarks and notebooks import only public names
+(``tests/test_layering.py`` holds them to it). Names are imported on first use
+(:mod:`ray_resilient._lazy`): ``import ray_resilient`` alone imports neither torch nor Ray.
 """
 
+from typing import TYPE_CHECKING
+
 from ray_resilient._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
+    from ray_resilient.checkpoint import (
+        Checkpointer, CheckpointSaveError, CheckpointStorage, IncompatibleCheckpointError, NoLoadableCheckpointError,
+        ReshardableStateful, RunLeaseHeldError, RunLeaseLostError, TrainState, UnrecoverableRunError,
+        list_checkpoints,
+    )
+    from ray_resilient.connect import RayUnreachableError, connect_ray
+    from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults, random_kill_plan
+    from ray_resilient.ray_config import ResilientRayConfig, RunFailedError, recommended_ray_config
+    from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES
 
 _EXPORTS = {
     "Checkpointer": "checkpoint",
@@ -30,6 +44,7 @@ _EXPORTS = {
     "ResilientRayConfig": "ray_config",
     "RunFailedError": "ray_config",
     "recommended_ray_config": "ray_config",
+    "DEFAULT_PRELOAD_MODULES": "spare_workers",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,14 +1,20 @@
 """Every use of a private or unstable Ray API, behind one wall.
 
-ray_resilient needs a few things Ray 2.60 offers only internally: the Ray Train run's id, the
-raylet's ``PrestartWorkers`` RPC and the worker setup hook's variable (spare workers), the GCS's
-node table (the local test cluster), environment variables read by Ray's C++ core and Train V2's
-controller, and the text of the controller's log (the recovery benchmark). Nothing else in the
-package imports ``ray._private``, ``ray._raylet`` or ``ray.train.v2._internal``.
+ray_resilient needs a few things Ray 2.60 offers only internally or as a DeveloperAPI: the Ray
+Train run's id and storage (``get_storage()``), the raylet's ``PrestartWorkers`` RPC and the
+worker setup hook's variable (spare workers), the GCS's node table (the local test cluster),
+environment variables read by Ray's C++ core and Train V2's controller, replica-group replacement
+(``has_replica_groups``, survivor mode), the text of the controller's log (restart timings) and
+the autoscaler's config schema (``cluster/``). Nothing else in the repository (package, jobs,
+benchmarks, tests) touches ``ray._private``, ``ray._raylet``, any ``_internal`` or other
+underscore module of Ray, or those DeveloperAPIs: ``tests/test_layering.py`` scans for them.
 
 Each use has a test in ``tests/test_ray_internals.py`` that fails loudly when a Ray upgrade moves
-it. At run time a moved API degrades to a warning and a fallback, never an ImportError: spare
-workers are skipped, the run id falls back to the driver's job id.
+it. At run time a moved API degrades to a warning and a fallback where one exists, never an
+ImportError: spare workers are skipped, the run id falls back to the driver's job id. Code
+outside the package reaches this module only through public names: the experiment kit's
+(``ray_resilient.testing``: ``start_local_ray``, ``recovery_phases``) and
+:meth:`ray_resilient.storage.RunStorage.from_ray_context`.
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +53,7 @@ API_SERVER_ADDRESS_ENV = "RAY_API_SERVER_ADDRESS"
 NO_API_SERVER = {API_SERVER_ADDRESS_ENV: "http://127.0.0.1:1"}
 
 _ALIVE = 0  # GcsNodeInfo.GcsNodeState.ALIVE
+_BackendType = TypeVar("_BackendType", bound=type)
 
 
 def train_run_id() -> str:
@@ -57,6 +70,16 @@ def train_run_id() -> str:
 
         logger.warning("Ray Train's run id is not where ray_resilient expects it (%r); using the job id", err)
         return f"job-{ray.get_runtime_context().get_job_id()}"
+
+
+def train_run_storage() -> tuple[pafs.FileSystem, str]:
+    """The current Ray Train run's storage filesystem and run directory on it (call inside a train
+    function). ``TrainContext.get_storage()`` is a DeveloperAPI: its ``StorageContext`` may change
+    between minor versions, and it has no fallback."""
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    return storage.storage_filesystem, storage.experiment_fs_path
 
 
 def worker_setup_hook_env_var() -> str | None:
@@ -110,16 +133,44 @@ def alive_node_ids(gcs_address: str) -> list[str]:
     return [info.node_id.hex() for info in nodes.values() if info.state == _ALIVE]
 
 
-# Ray Train's controller log: the records that end the phases of a restart (benchmarks/recovery.py).
-CONTROLLER_RETRY = "[FailurePolicy] RETRY"
-CONTROLLER_RESTART_MARKS = {
+# Ray Train's controller log: the record of its decision to restart, and the records that end
+# the phases of the new worker group's start.
+_CONTROLLER_RETRY = "[FailurePolicy] RETRY"
+_CONTROLLER_RESTART_MARKS = {
     "stop+pg": "[Worker Group Initialization] Placement group ready",
     "actors": "worker actors created",
     "context": "[Worker Group Initialization] Train context initialized",
 }
 
 
-def controller_log(ray_temp_dir: Path) -> list[tuple[float, str]]:
+@dataclass(frozen=True)
+class ControllerRestart:
+    """A restart of the worker group as Ray Train's controller logged it (times in s since the epoch).
+
+    ``retry``: when it decided to restart (NaN: no decision logged). ``phases``: when each phase
+    of the new group's start ended, in :attr:`PHASES` order: ``stop+pg`` (the old group stopped,
+    the new placement group ready), ``actors`` (the workers' actors created), ``context`` (Ray
+    Train's context set up on them); NaN for a phase not logged.
+    """
+
+    PHASES: ClassVar[tuple[str, ...]] = tuple(_CONTROLLER_RESTART_MARKS)
+    retry: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def controller_restart(ray_temp_dir: Path, after: float, before: float) -> ControllerRestart:
+    """The first restart the controller of the Ray cluster in ``ray_temp_dir`` decided on between
+    ``after`` and ``before`` (e.g. a kill and the restarted train function's start), each phase
+    ended by its last record before ``before`` (a group start that is retried logs its phases again)."""
+    records = _controller_log(ray_temp_dir)
+    retry = next((t for t, message in records if after < t < before and message.startswith(_CONTROLLER_RETRY)),
+                 math.nan)
+    phases = {name: max((t for t, message in records if retry < t < before and needle in message), default=math.nan)
+              for name, needle in _CONTROLLER_RESTART_MARKS.items()}
+    return ControllerRestart(retry, phases)
+
+
+def _controller_log(ray_temp_dir: Path) -> list[tuple[float, str]]:
     """(time in s since the epoch, message) of Ray Train's controller log records, oldest first.
 
     The ``sys`` log (``ray-train-sys-controller-*.log``) has every record, DEBUG included (the
@@ -149,3 +200,23 @@ def is_replica_group(worker_group: object) -> bool:
         logger.warning("Ray Train's ReplicaGroup is not where ray_resilient expects it (%r)", err)
         return type(worker_group).__name__ == "ReplicaGroup"
     return isinstance(worker_group, ReplicaGroup)
+
+
+def with_replica_groups(backend_cls: _BackendType) -> _BackendType:
+    """``backend_cls`` (a Ray Train ``Backend``) marked ``has_replica_groups``, a DeveloperAPI of Ray
+    Train 2.60 built for torchft: its controller then replaces only a failed worker's replica group,
+    leaving the others running. Warns when this Ray's ``Backend`` no longer has the flag."""
+    from ray.train.backend import Backend
+
+    if not hasattr(Backend, "has_replica_groups"):
+        logger.warning("Ray Train's Backend has no has_replica_groups: a failure will restart every worker")
+    backend_cls.has_replica_groups = True
+    return backend_cls
+
+
+def validate_cluster_config(config: dict[str, Any]) -> None:
+    """Check a ``ray up`` cluster config as ``ray up`` does: Ray's schema, after filling in the
+    defaults (raises jsonschema's ``ValidationError``)."""
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    validate_config(prepare_config(config))

@@ -3,6 +3,9 @@
 Telemetry never stops training: the metrics the library logs by default (``data/...`` from the
 loader, ``goodput/...`` from the checkpointer) go through :class:`BackgroundMetrics`, so an
 MLflow outage (its client retries for minutes, then raises) neither blocks nor raises in the loop.
+
+The names in ``__all__`` are public, for a train function's own metrics and files: e.g.
+``BackgroundMetrics(lambda: MlflowMetrics(current_run_name()), "job")`` on rank 0.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
+
+__all__ = ["BackgroundMetrics", "MetricsLogger", "MlflowMetrics", "current_run_name", "default_tracking_uri",
+           "log_artifact", "open_tracking_client"]
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 if [ $# -gt 0 ]; then
-  exec .venv/bin/python -m pytest -v -p no:cacheprovider "$@"
+  exec .venv/bin/python -m pytest -v -p no:cacheprovider --durations=25 "$@"
 fi
-.venv/bin/python -m pytest -v -p no:cacheprovider
+.venv/bin/python -m pytest -v -p no:cacheprovider --durations=25
 scripts/setup.sh --lowest
-exec .venv-lowest/bin/python -m pytest -v -p no:cacheprovider \
-  tests/test_checkpoint_unit.py tests/test_staging.py tests/test_fsdp_checkpoint.py tests/test_buffers.py tests/test_restore.py tests/test_data.py tests/test_parquet.py
+exec .venv-lowest/bin/python -m pytest -v -p no:cacheprovider --durations=10 \
+  tests/test_checkpoint_unit.py tests/test_staging.py tests/test_fsdp_checkpoint.py tests/test_buffers.py tests/test_restore.py tests/test_data.py tests/test_parquet.py tests/test_torch_internals.py

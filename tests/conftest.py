@@ -35,13 +35,24 @@ def mlflow_store(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """A fresh local Ray cluster for the session (never attaches to a leftover one)."""
+def ray_cluster() -> str:
+    """A fresh local Ray cluster for the session (never attaches to a leftover one): its address.
+
+    Driver processes a test starts (a job, the notebook's kernel) attach to it by this address
+    instead of starting a Ray instance each (15-20 s apiece on 2 cores); only the test of the
+    README's own command starts its own, as a user's first run does.
+    """
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
-    yield
+    yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+
+
+@pytest.fixture
+def driver_env(ray_cluster) -> dict[str, str]:
+    """The environment of a driver process that attaches to the session's cluster."""
+    return {**os.environ, "RAY_ADDRESS": ray_cluster}
 
 
 @pytest.fixture(scope="session")

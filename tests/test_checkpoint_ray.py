@@ -188,16 +188,36 @@ def _assert_same_state(saved: dict, restored: dict) -> None:
     assert saved["counter"] == restored["counter"]
 
 
+ROUNDTRIP = {"seed": 3, "steps": 5}
+
+
+@pytest.fixture(scope="module")
+def roundtrip_saved_by(tmp_path_factory):
+    """The directory of the round trip's save phase run on ``workers`` workers: run once per worker
+    count for the module (the 2-worker save serves the restores on 2 and on 1)."""
+    saved = {}
+
+    def saved_by(workers: int):
+        if workers not in saved:
+            root = tmp_path_factory.mktemp(f"roundtrip-saved-by-{workers}")
+            (root / "rec").mkdir()
+            result = trainlib.run_job(trainlib.roundtrip_fn, {**ROUNDTRIP, "phase": "save", "record_dir": str(root / "rec")},
+                                      str(root / "storage"), "roundtrip", workers=workers, max_failures=0)
+            assert result.error is None
+            saved[workers] = root
+        return saved[workers]
+
+    return saved_by
+
+
 @pytest.mark.parametrize(("save_workers", "restore_workers"), [(2, 2), (2, 1), (1, 2)])
-def test_restore_round_trip_and_resharding(tmp_path, save_workers, restore_workers):
-    record = tmp_path / "rec"
+def test_restore_round_trip_and_resharding(roundtrip_saved_by, tmp_path, save_workers, restore_workers):
+    saved_dir, record = roundtrip_saved_by(save_workers), tmp_path / "rec"
     record.mkdir()
-    config = {"seed": 3, "steps": 5, "record_dir": str(record)}
-    for phase, workers in (("save", save_workers), ("restore", restore_workers)):
-        result = trainlib.run_job(trainlib.roundtrip_fn, {**config, "phase": phase}, str(tmp_path / "storage"),
-                                  "roundtrip", workers=workers, max_failures=0)
-        assert result.error is None
-    saved = _load_snapshots(record, "save", save_workers)
+    result = trainlib.run_job(trainlib.roundtrip_fn, {**ROUNDTRIP, "phase": "restore", "record_dir": str(record)},
+                              str(saved_dir / "storage"), "roundtrip", workers=restore_workers, max_failures=0)
+    assert result.error is None
+    saved = _load_snapshots(saved_dir / "rec", "save", save_workers)
     restored = _load_snapshots(record, "restore", restore_workers)
     for rank, state in enumerate(restored):
         # BatchNorm buffers are per rank: each rank's own come back; after a resize, rank 0's.

@@ -113,9 +113,9 @@ def test_the_launcher_config_is_a_valid_ray_cluster_config():
         assert setting in head_start, setting
     assert "RAY_AUTH_MODE=token" in " ".join(config["worker_start_ray_commands"])
     # What `ray up` checks: Ray's schema, with the defaults it fills in.
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from ray_resilient._ray_internals import validate_cluster_config
 
-    validate_config(prepare_config(config))
+    validate_cluster_config(config)
     # The documented job submission takes the job's options, with S3 for the data and the runs.
     commands = job_commands_in_comments(path)
     assert commands, f"no `ray job submit ... {JOB}` example in {path.name}"

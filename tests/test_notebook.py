@@ -11,18 +11,14 @@ NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_trains_and_reports(tmp_path):
+def test_quickstart_notebook_trains_and_reports(tmp_path, ray_cluster, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
 
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     os.symlink(NOTEBOOK.parent.parent / "jobs", tmp_path / "jobs")
-    env_address = os.environ.pop("RAY_ADDRESS", None)
-    try:
-        NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    finally:
-        if env_address is not None:
-            os.environ["RAY_ADDRESS"] = env_address
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)  # the kernel's trainer.fit() attaches to the session's cluster
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for out in cell.get("outputs", []))
     assert "final checkpoint: " + str(tmp_path / "runs" / "notebook-quickstart" / "checkpoint_") in outputs

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-
 from ray_resilient import recommended_ray_config, spare_workers
+from ray_resilient._ray_internals import worker_setup_hook_env_var
 
 
 def test_the_recommended_config_gives_workers_the_preload_hook_and_turns_spares_on():
     config = recommended_ray_config("run", "/tmp/storage", workers=2, preload=("torch", "torchvision"))
     env = config.run_config.worker_runtime_env["env_vars"]
-    assert env[WORKER_PROCESS_SETUP_HOOK_ENV_VAR] == "ray_resilient.spare_workers.preload_modules"
+    assert env[worker_setup_hook_env_var()] == "ray_resilient.spare_workers.preload_modules"
     assert env[spare_workers.PRELOAD_ENV] == "torch,torchvision"
     assert env[spare_workers.SPARE_WORKERS_ENV] == "1"
     assert env["OMP_NUM_THREADS"] == "1"  # as Ray sets it for a 1-CPU worker, before torch is imported

@@ -17,7 +17,7 @@ import trainlib
 from ray_resilient import recommended_ray_config
 from ray_resilient.checkpoint import list_checkpoints
 from ray_resilient.goodput import read_events
-from ray_resilient.testing import Driver, LocalRayCluster, wait_until
+from ray_resilient.testing import Driver, read_records, wait_until
 from ray_resilient.testing.synthetic_data import SyntheticBatches
 
 pytestmark = pytest.mark.slow
@@ -41,11 +41,11 @@ def fit_survivors(config: dict, storage: Path, name: str, max_failures: int = 4)
 
 
 def records_of(record_dir: Path, **match) -> list[dict]:
-    return [r for r in trainlib.survivor_records(record_dir) if all(r.get(k) == v for k, v in match.items())]
+    return [r for r in read_records(record_dir) if all(r.get(k) == v for k, v in match.items())]
 
 
 def pid_of(record_dir: Path, replica: int, not_pid: int | None = None) -> int:
-    starts = [r["pid"] for r in records_of(record_dir, kind="start", replica=replica) if r["pid"] != not_pid]
+    starts = [r["pid"] for r in records_of(record_dir, kind="start", rank=replica) if r["pid"] != not_pid]
     return starts[-1] if starts else 0
 
 
@@ -97,7 +97,7 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
 
     # The survivors never left their processes: replica 2 ran in one process from start to end,
     # and each killed replica's first process trained on after the other's kill.
-    assert [r["pid"] for r in records_of(record, kind="start", replica=2)] == [first[2]]
+    assert [r["pid"] for r in records_of(record, kind="start", rank=2)] == [first[2]]
     steps_of = defaultdict(list)
     for r in records_of(record, kind="step"):
         steps_of[r["pid"]].append(r["step"])
@@ -131,7 +131,7 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
 
     # Each replacement's state equals, bitwise, a survivor's at the step it joined.
     replacements = [r for r in records_of(record, kind="joined") if r["pid"] not in first.values()]
-    assert sorted(r["replica"] for r in replacements) == [0, 1]
+    assert sorted(r["rank"] for r in replacements) == [0, 1]
     for joined in replacements:
         assert 0 < joined["step"] < 60
         assert joined["sha"] in {r["sha"] for r in by_step[joined["step"]] if r["pid"] in first.values()}
@@ -169,27 +169,24 @@ def fit_survivors_in_driver(config: dict) -> dict:
     return {}
 
 
-def test_a_killed_driver_resumes_from_the_newest_complete_checkpoint(uninterrupted, tmp_path, tmp_path_factory):
+def test_a_killed_driver_resumes_from_the_newest_complete_checkpoint(uninterrupted, ray_cluster, driver_env, tmp_path):
     record, storage = tmp_path / "rec", tmp_path / "storage"
     record.mkdir()
     released = tmp_path / "released"
     loop = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 25, "until": str(released)}]}
-    config = {"name": "survivors", "storage": str(storage), "loop": loop}
-    with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
-        cluster.add_node(cpus=4)
-        config["address"] = cluster.address
-        first = Driver.start("test_survivors:fit_survivors_in_driver", config, env=cluster.env, workdir=tmp_path,
-                             name="first")
-        wait_until(lambda: first.running() and newest_step(record) >= 25, timeout=300, what="step 25")
-        first.kill()
-        first_pids = {r["pid"] for r in records_of(record, kind="start")}
-        wait_until(lambda: not any(trainlib.alive(pid) for pid in first_pids), timeout=120,
-                   what="the dead driver's workers")
-        newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "survivors")) if c.complete][-1]
-        assert newest.step == 20
-        released.touch()
-        Driver.start("test_survivors:fit_survivors_in_driver", config, env=cluster.env, workdir=tmp_path,
-                     name="second").wait(timeout=600)
+    config = {"name": "survivors", "storage": str(storage), "loop": loop, "address": ray_cluster}
+    first = Driver.start("test_survivors:fit_survivors_in_driver", config, env=driver_env, workdir=tmp_path,
+                         name="first")
+    wait_until(lambda: first.running() and newest_step(record) >= 25, timeout=300, what="step 25")
+    first.kill()
+    first_pids = {r["pid"] for r in records_of(record, kind="start")}
+    wait_until(lambda: not any(trainlib.alive(pid) for pid in first_pids), timeout=120,
+               what="the dead driver's workers")
+    newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "survivors")) if c.complete][-1]
+    assert newest.step == 20
+    released.touch()
+    Driver.start("test_survivors:fit_survivors_in_driver", config, env=driver_env, workdir=tmp_path,
+                 name="second").wait(timeout=600)
     restarted = [r for r in records_of(record, kind="joined") if r["pid"] not in first_pids]
-    assert sorted(r["replica"] for r in restarted) == [0, 1, 2] and {r["step"] for r in restarted} == {20}
+    assert sorted(r["rank"] for r in restarted) == [0, 1, 2] and {r["step"] for r in restarted} == {20}
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))

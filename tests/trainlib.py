@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from ray_resilient import Checkpointer, spare_workers
-from ray_resilient.testing import wait_until
+from ray_resilient.testing import Recorder, RecordKind, train_replica, wait_until
 from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 
 
@@ -375,76 +375,33 @@ def build_survivor_model(seed: int) -> torch.nn.Module:
 
 
 def survivor_fn(config: dict[str, Any]) -> None:
-    """Train in survivor mode: ``micro_batches`` parts of each global batch of ``SyntheticBatches``.
+    """Train in survivor mode (the experiment kit's loop, :func:`ray_resilient.testing.train_replica`):
+    ``micro_batches`` parts of each global batch of ``SyntheticBatches``, SGD with a scheduler.
 
-    Each process writes ``record_dir/replica-<r>-<pid>.jsonl``: a ``start`` line, a ``joined`` line
-    (the step it joined at and the sha of its state then), and one line per committed step (the
-    membership, this process's parts and their sample ids, the loss). The lead writes the final
-    weights. ``wait_at``: ``[{"step": S, "until": FILE}]``: every replica stops after step S until
-    FILE exists (a test acts then).
+    Each process records into ``record_dir`` (:func:`ray_resilient.testing.read_records`): ``start``,
+    ``joined`` (the step it joined at and the sha of its state then), and every committed step
+    (the membership, this process's parts and their sample ids, the loss, the sha). The lead
+    writes the final weights. ``wait_at``: ``[{"step": S, "until": FILE}]``: every replica stops
+    after step S until FILE exists (a test acts then).
     """
-    from ray_resilient.survivors import SurvivingReplicas
-
     torch.use_deterministic_algorithms(True)
-    replica = ray.train.get_context().get_world_rank()
-    seed, parts = config["seed"], config["micro_batches"]
+    record = Recorder(config["record_dir"], ray.train.get_context().get_world_rank())
+    record(RecordKind.START)
+    seed = config["seed"]
     model = build_survivor_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
     data = SyntheticBatches(config["samples"], config["global_batch"], seed, 0, 1)
-    total = data.batches_per_epoch * config["epochs"]
-    path = os.path.join(config["record_dir"], f"replica-{replica}-{os.getpid()}.jsonl")
 
-    def write(**record: Any) -> None:
-        with open(path, "a") as out:
-            out.write(json.dumps({"t": time.time(), **record}) + "\n")
+    def wait(step: int) -> None:
+        for rule in config.get("wait_at", ()):
+            if step == rule["step"]:
+                wait_until(lambda: os.path.exists(rule["until"]), timeout=600, what=f"{rule['until']} to exist")
 
-    write(kind="start")
-    computed: dict[int, list[int]] = {}  # part -> sample ids, of the step being trained
-
-    def loss_of(step: int, part: int) -> torch.Tensor:
-        ids, x, y = data.micro_batch(step, part, parts)
-        computed[part] = ids.tolist()
-        time.sleep(config.get("step_seconds", 0.0))  # emulated accelerator compute
-        x = x + 0.01 * torch.randn_like(x)  # randomness from the streams derived per micro-batch
-        return torch.nn.functional.cross_entropy(model(x), y)
-
-    with SurvivingReplicas(model, optimizer, lr_scheduler=scheduler, micro_batches=parts, seed=seed,
-                           checkpoint_interval=config.get("interval"), faults=config.get("faults", "")) as replicas:
-        write(kind="joined", step=replicas.step, sha=state_sha(model, optimizer), finished=replicas.finished)
-        while replicas.step < total:
-            computed.clear()
-            loss = replicas.train_step(loss_of)
-            mine = replicas.last_parts
-            write(kind="step", step=replicas.step, members=list(replicas.members), loss=loss,
-                  parts={k: computed[k] for k in mine}, sha=state_sha(model, optimizer))
-            for wait in config.get("wait_at", ()):
-                if replicas.step == wait["step"]:
-                    wait_until(lambda: os.path.exists(wait["until"]), timeout=600, what=f"{wait['until']} to exist")
-        lead = replicas.is_lead
+    lead = train_replica(model, optimizer, data, record, max_steps=data.batches_per_epoch * config["epochs"],
+                         step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait,
+                         lr_scheduler=scheduler, micro_batches=config["micro_batches"], seed=seed,
+                         checkpoint_interval=config.get("interval"), faults=config.get("faults", ""))
     if lead:
         torch.save({k: v.clone() for k, v in model.state_dict().items()},
                    os.path.join(config["record_dir"], "final_weights.pt"))
-        write(kind="final", sha=state_sha(model, optimizer))
-
-
-def state_sha(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """A digest of the whole replica state: parameters, buffers and optimizer state."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for tensor in list(model.state_dict().values()) + [
-            v for state in optimizer.state_dict()["state"].values() for v in state.values() if torch.is_tensor(v)]:
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def survivor_records(record_dir) -> list[dict[str, Any]]:
-    """Every process's records (see :func:`survivor_fn`), each with its ``replica`` and ``pid``."""
-    records = []
-    for name in sorted(os.listdir(record_dir)):
-        if name.startswith("replica-"):
-            replica, pid = name[len("replica-"):-len(".jsonl")].split("-")
-            with open(os.path.join(record_dir, name)) as lines:
-                records += [{**json.loads(line), "replica": int(replica), "pid": int(pid)} for line in lines]
-    return records

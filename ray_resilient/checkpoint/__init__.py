@@ -1,9 +1,23 @@
 """Sharded asynchronous DCP checkpoints reported through Ray Train, with automatic resume.
 
 The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+``SavePolicy`` is the rule the ``Checkpointer`` saves by, for loops that checkpoint another way
+(the naive baseline of ``benchmarks/goodput_chaos.py``).
 """
 
+from typing import TYPE_CHECKING
+
 from ray_resilient._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
+    from ray_resilient.checkpoint.checkpointer import Checkpointer, CheckpointSaveError
+    from ray_resilient.checkpoint.errors import UnrecoverableRunError
+    from ray_resilient.checkpoint.layout import CheckpointDir, is_complete, list_checkpoints
+    from ray_resilient.checkpoint.lease import RunLeaseHeldError, RunLeaseLostError
+    from ray_resilient.checkpoint.restore import IncompatibleCheckpointError, NoLoadableCheckpointError
+    from ray_resilient.checkpoint.save_policy import SavePolicy
+    from ray_resilient.checkpoint.state import ReshardableStateful, TrainState
+    from ray_resilient.checkpoint.storage import CheckpointStorage
 
 _EXPORTS = {
     "UnrecoverableRunError": "errors",
@@ -16,6 +30,7 @@ _EXPORTS = {
     "CheckpointSaveError": "checkpointer",
     "IncompatibleCheckpointError": "restore",
     "NoLoadableCheckpointError": "restore",
+    "SavePolicy": "save_policy",
     "ReshardableStateful": "state",
     "TrainState": "state",
     "CheckpointStorage": "storage",

@@ -28,9 +28,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ray_resilient._torch_internals import flatten_like_dcp
 from ray_resilient.checkpoint.collectives import worst_on_any_rank
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.integrity import verify_checksums
@@ -84,7 +84,7 @@ def find_complete_checkpoints(storage: CheckpointStorage, registered_path: str |
 
 def incompatibilities(metadata: Metadata, state: dict[str, Any]) -> list[str]:
     """How the job's shared state differs from a checkpoint's: parts, keys and tensor shapes."""
-    flat, _ = flatten_state_dict({part: value for part, value in state.items() if part in SHARED_PARTS})
+    flat = flatten_like_dcp({part: value for part, value in state.items() if part in SHARED_PARTS})
     saved = {key: meta for key, meta in metadata.state_dict_metadata.items() if key.split(".", 1)[0] in SHARED_PARTS}
     problems = []
     for part in SHARED_PARTS:

@@ -22,18 +22,17 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
+
+from ray_resilient._torch_internals import METADATA_PRIVATE_GLOBALS, set_loaded_value
 
 # numpy's RNG state holds a uint32 array: what ``torch.load`` needs to rebuild one.
 NUMPY_ARRAY_GLOBALS = [np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 _PATHS = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"}
-_ALLOWED = {(dcp_filesystem.__name__, "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-            ("collections", "OrderedDict")}
+_ALLOWED = {*METADATA_PRIVATE_GLOBALS, ("torch", "Size"), ("collections", "OrderedDict")}
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -70,7 +69,4 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
             loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
+        set_loaded_value(self, read_item, loaded)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ray_resilient._torch_internals import with_local_tensor
+
 Path = tuple[Any, ...]
 
 
@@ -91,10 +93,8 @@ class HostStager:
                                       shape=tensor.shape, stride=tensor.stride())
         else:
             # from_local would move the buffer to the mesh's device: a host copy of the DTensor
-            # (same mesh and placements) whose local shard is then swapped for the buffer, as
-            # torch.distributed's own _create_cpu_state_dict does.
-            leaf = tensor.detach().to("cpu")
-            leaf._local_tensor = buffer
+            # (same mesh and placements) whose local shard is then swapped for the buffer.
+            leaf = with_local_tensor(tensor.detach().to("cpu"), buffer)
         return leaf.to_local(), leaf
 
 

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ray_resilient._torch_internals import without_compile_prefix
+
 MODEL = "model"
 OPTIMIZER = "optimizer"
 LR_SCHEDULER = "lr_scheduler"
@@ -110,7 +112,7 @@ def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's live persistent buffers, by their key in the (wrapper-free) model state dict."""
     module = model.module if isinstance(model, DistributedDataParallel) else model
     return {
-        key.replace("_orig_mod.", ""): value
+        without_compile_prefix(key): value
         for key, value in module.state_dict(keep_vars=True).items()
         if not isinstance(value, torch.nn.Parameter)
     }

@@ -19,8 +19,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 
+from ray_resilient._torch_internals import read_reader_metadata, redirect_reader
 from ray_resilient.checkpoint.layout import METADATA_FILE
 from ray_resilient.checkpoint.safe_loading import read_metadata
 from ray_resilient.storage.run import RunStorage
@@ -114,13 +115,7 @@ class ArrowDCPReader(FileSystemReader):
 
     def __init__(self, fs: pafs.FileSystem, path: str):
         super().__init__(path)
-        self.fs = _ArrowFileSystem(fs)
-        self.path = path
+        redirect_reader(self, _ArrowFileSystem(fs), path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as stream:
-            metadata = read_metadata(stream)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return read_reader_metadata(self, kwargs.get("rank"), read_metadata)

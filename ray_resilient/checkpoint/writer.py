@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from ray_resilient._torch_internals import written_file
 from ray_resilient.checkpoint.collectives import all_ranks_agree
 from ray_resilient.checkpoint.integrity import record_checksums
 from ray_resilient.checkpoint.layout import delete_partial_checkpoints
@@ -71,7 +72,7 @@ class _ShardWriter(FileSystemWriter):
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
-        files = [result.storage_data.relative_path for result in written.wait()]
+        files = [written_file(result) for result in written.wait()]
         record_checksums(str(self.path), self._rank, files, sync=self.sync_files)
         if self._fire_upload_fault:
             self._faults.fire("upload", self._step)

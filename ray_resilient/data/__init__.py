@@ -3,7 +3,21 @@
 The names in ``__all__`` are the public API; the modules behind them are internal and may change.
 """
 
+from typing import TYPE_CHECKING
+
 from ray_resilient._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
+    from ray_resilient.data.cache import CacheStats, FileCache
+    from ray_resilient.data.config import StreamingConfig
+    from ray_resilient.data.dataset import (
+        Batch, CorruptSampleError, StreamingVolumeDataset, VolumeImageDataset, default_cache_dir, default_transform,
+        eval_transform,
+    )
+    from ray_resilient.data.loader import VolumeDataLoader, default_num_workers
+    from ray_resilient.data.parquet import PARQUET_STREAMING, ParquetVolumeDataset
+    from ray_resilient.data.plan import SamplePlan
+    from ray_resilient.data.volume import Volume, VolumeError, VolumeFile
 
 _EXPORTS = {
     "CacheStats": "cache",

@@ -1,19 +1,39 @@
 """Goodput: a ledger of every second of a run across restarts, and a planner for the checkpoint interval.
 
 The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+A run's ledger is written by :class:`LedgerWriter` (the ``Checkpointer`` keeps one; a loop of
+your own can too), read by :func:`load_events`, split into attempts by :func:`group_attempts`
+and accounted by :func:`account` into a :class:`Breakdown` of the parts in ``PARTS``.
 """
+
+from typing import TYPE_CHECKING
 
 from ray_resilient._lazy import lazy_exports
 
+if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
+    from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts
+    from ray_resilient.goodput.events import EventKind
+    from ray_resilient.goodput.ledger import LedgerWriter, load_events, read_events
+    from ray_resilient.goodput.planner import (
+        MeasuredInputs, Plan, daly_interval, expected_goodput, interval_steps_for, make_plan, measured_inputs,
+        parse_duration, plan_from_measured, young_interval,
+    )
+    from ray_resilient.goodput.report import render_report
+
 _EXPORTS = {
+    "PARTS": "accounting",
+    "Attempt": "accounting",
     "Breakdown": "accounting",
     "account": "accounting",
+    "group_attempts": "accounting",
     "EventKind": "events",
+    "LedgerWriter": "ledger",
     "load_events": "ledger",
     "read_events": "ledger",
     "MeasuredInputs": "planner",
     "Plan": "planner",
     "daly_interval": "planner",
+    "expected_goodput": "planner",
     "interval_steps_for": "planner",
     "make_plan": "planner",
     "measured_inputs": "planner",

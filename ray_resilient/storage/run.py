@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from ray_resilient._ray_internals import train_run_id
+from ray_resilient._ray_internals import train_run_id, train_run_storage
 from ray_resilient.storage.uri import open_filesystem
 
 
@@ -28,14 +28,13 @@ class RunStorage:
 
     @classmethod
     def from_ray_context(cls, local_dir: str | None = None):
-        """The storage of the current Ray Train run (call inside a train function)."""
-        import ray.train
-
-        storage = ray.train.get_context().get_storage()
+        """The storage of the current Ray Train run (call inside a train function): the run
+        directory that ``RunConfig(name, storage_path)`` names, on its filesystem."""
+        filesystem, experiment_path = train_run_storage()
         # Per Ray Train run, not per run name: runs of the same name (another storage path, or
         # another driver) on this node never share, or clear, each other's local files.
         default_local = os.path.join(tempfile.gettempdir(), "ray-resilient", train_run_id())
-        return cls(storage.storage_filesystem, storage.experiment_fs_path, local_dir or default_local)
+        return cls(filesystem, experiment_path, local_dir or default_local)
 
     @classmethod
     def from_uri(cls, run_dir: str, local_dir: str | None = None):

@@ -25,7 +25,14 @@ membership, and the state copy of a replacement by broadcast from a live replica
 The names in ``__all__`` are the public API; the modules behind them are internal and may change.
 """
 
+from typing import TYPE_CHECKING
+
 from ray_resilient._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
+    from ray_resilient.survivors.backend import SurvivorConfig
+    from ray_resilient.survivors.coordinator import Membership
+    from ray_resilient.survivors.replicas import SurvivingReplicas
 
 _EXPORTS = {
     "SurvivorConfig": "backend",

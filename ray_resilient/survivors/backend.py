@@ -1,8 +1,9 @@
 """Survivor mode's Ray Train backend: replica groups of one worker, and the membership coordinator.
 
-A backend with ``has_replica_groups`` tells Ray Train 2.60's controller to replace only the
-workers that failed, leaving the others running (the mechanism Ray built for torchft). It sets up
-no torch process group: the replicas form their own gloo groups per membership.
+A backend with replica groups (:func:`~ray_resilient._ray_internals.with_replica_groups`) tells
+Ray Train 2.60's controller to replace only the workers that failed, leaving the others running
+(the mechanism Ray built for torchft). It sets up no torch process group: the replicas form their
+own gloo groups per membership.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_resilient._ray_internals import is_replica_group
+from ray_resilient._ray_internals import is_replica_group, with_replica_groups
 from ray_resilient.survivors.coordinator import MembershipCoordinator
 
 _coordinator: Any = None  # in a worker process: its worker group's coordinator
@@ -33,9 +34,8 @@ def _set_coordinator(handle: Any) -> None:
     _coordinator = handle
 
 
+@with_replica_groups
 class _SurvivorBackend(Backend):
-    has_replica_groups = True
-
     def __init__(self) -> None:
         self._coordinator: Any = None
 

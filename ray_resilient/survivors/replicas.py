@@ -40,6 +40,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
+from ray_resilient._torch_internals import gloo_group, is_batch_norm
 from ray_resilient.checkpoint.layout import checkpoint_dir_name
 from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, reseed_rng
@@ -92,7 +93,7 @@ class SurvivingReplicas:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         stateful = [name for name, module in model.named_modules()
-                    if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats]
+                    if is_batch_norm(module) and module.track_running_stats]
         if stateful:
             raise ValueError(
                 f"survivor mode needs a model whose forward pass changes no buffers, but {stateful[0]!r} is a "
@@ -273,11 +274,9 @@ class SurvivingReplicas:
     def _enter(self, membership: Membership) -> None:
         """Form ``membership``'s gloo group; bring the members behind its source up to date."""
         previous, self._membership = self._membership, membership
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = self.timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._node_ip)]
         store = dist.PrefixStore(f"membership{membership.epoch}/", self._store)
-        self._group = dist.ProcessGroupGloo(store, membership.rank(self.replica), len(membership.members), options)
+        self._group = gloo_group(store, membership.rank(self.replica), len(membership.members), self.timeout,
+                                 self._node_ip)
         if membership.behind:
             started = time.time()
             sent = self._copy_state_from(membership.rank(membership.source))
