@@ -54,15 +54,28 @@ def test_three_seeded_kills_one_during_an_upload_leave_the_run_bitwise_identical
     assert [kept[step] for step in sorted(kept)] == expected
 
 
-def test_a_restarted_worker_group_starts_on_spare_processes_warmed_before_the_failure(reference, tmp_path):
+PRELOAD = ("torch", "ray.train.torch", "ray_resilient", "trainlib")
+
+
+@pytest.fixture(scope="module")
+def killed_at_step_8(ray_cluster, tmp_path_factory) -> dict[str, Any]:
+    """One run with the recommended Ray config (spare workers preloading ``PRELOAD``) whose rank 1
+    is SIGKILLed after step 8 (0.1 s steps, live goodput every 5): what the restart ran on, and
+    what the goodput ledger made of it."""
     from ray.train.torch import TorchTrainer
 
-    record = tmp_path / "rec"
-    config = recommended_ray_config("spares", str(tmp_path / "storage"), workers=2, max_failures=1,
-                                    preload=("torch", "ray.train.torch", "ray_resilient", "trainlib"))
-    trainer = TorchTrainer(trainlib.train_fn, train_loop_config=trainlib.job_config(record, "kill:step=8:rank=1"),
-                           **config.trainer_kwargs())
-    assert config.fit(trainer).error is None
+    root = tmp_path_factory.mktemp("killed-at-step-8")
+    config = recommended_ray_config("killed-at-8", str(root / "storage"), workers=2, max_failures=1, preload=PRELOAD)
+    loop = trainlib.job_config(root / "rec", "kill:step=8:rank=1", step_seconds=0.1, goodput_log_every=5)
+    driver_started = time.time()
+    result = config.fit(TorchTrainer(trainlib.train_fn, train_loop_config=loop, **config.trainer_kwargs()))
+    return {"record": root / "rec", "run_dir": root / "storage" / "killed-at-8", "result": result,
+            "driver_started": driver_started, "fit_returned": time.time()}
+
+
+def test_a_restarted_worker_group_starts_on_spare_processes_warmed_before_the_failure(reference, killed_at_step_8):
+    record = killed_at_step_8["record"]
+    assert killed_at_step_8["result"].error is None
     first, second = zip(*(trainlib.read_attempts(str(record), rank) for rank in (0, 1)))
     killed = [json.loads(line) for line in open(record / f"samples-rank1-{first[1]['attempt']}.jsonl")]
     assert killed[-1]["step"] == 8
@@ -70,7 +83,7 @@ def test_a_restarted_worker_group_starts_on_spare_processes_warmed_before_the_fa
         assert after["pid"] != before["pid"]
         # The restarted group's processes existed before the kill, had imported what preload names...
         assert after["process_started"] < killed[-1]["time"], (after, killed[-1]["time"])
-        assert after["preloaded"] == ["torch", "ray.train.torch", "ray_resilient", "trainlib"]
+        assert after["preloaded"] == list(PRELOAD)
         # ...and were started once the first attempt trained, not with the cluster.
         assert after["process_started"] > before["process_started"]
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
@@ -269,8 +282,7 @@ def test_exhausted_max_failures_raise_a_clear_error_and_keep_every_committed_che
         assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
-@pytest.mark.usefixtures("ray_cluster")
-def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wasted(tmp_path):
+def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wasted(killed_at_step_8):
     """Rank 1 is killed after step 8; the run resumes from step 5 and recomputes steps 6-8.
 
     Wasted progress must be those 3 steps: 3 x the median kept step time, within 30% (steps
@@ -278,19 +290,14 @@ def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wast
     driver's start to the final checkpoint, and the final figures reach ``Result.metrics`` and MLflow.
     """
     from mlflow.tracking import MlflowClient
-    from ray.train.torch import TorchTrainer
 
     from ray_resilient.goodput import account
     from ray_resilient.tracking import RUN_TAG
 
-    storage = tmp_path / "storage"
-    config = recommended_ray_config("ledger", str(storage), workers=2)
-    train_config = trainlib.job_config(tmp_path / "rec", "kill:step=8:rank=1", step_seconds=0.1, goodput_log_every=5)
-    driver_started = time.time()
-    result = config.fit(TorchTrainer(trainlib.train_fn, train_loop_config=train_config, **config.trainer_kwargs()))
-    fit_returned = time.time()
-    assert [a["restored_step"] for a in trainlib.read_attempts(str(tmp_path / "rec"))] == [0, 5]
-    events = read_events(pafs.LocalFileSystem(), str(storage / "ledger"))
+    result, driver_started, fit_returned = (killed_at_step_8[key] for key in ("result", "driver_started",
+                                                                               "fit_returned"))
+    assert [a["restored_step"] for a in trainlib.read_attempts(str(killed_at_step_8["record"]))] == [0, 5]
+    events = read_events(pafs.LocalFileSystem(), str(killed_at_step_8["run_dir"]))
     breakdown = account(events)
     step = statistics.median(breakdown.kept_step_seconds)
     assert breakdown.steps_recomputed == 3 and breakdown.failures == 1
@@ -303,7 +310,7 @@ def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wast
     assert result.metrics["goodput"] == pytest.approx(breakdown.goodput, abs=0.05)
     client = MlflowClient()
     run = client.search_runs([client.get_experiment_by_name("ray_resilient").experiment_id],
-                             f"tags.`{RUN_TAG}` = 'ledger'")[0]
+                             f"tags.`{RUN_TAG}` = 'killed-at-8'")[0]
     history = client.get_metric_history(run.info.run_id, "goodput/goodput")
     assert len(history) >= 2 and all(0 < m.value < 1 for m in history)
     assert "goodput/badput_wasted" in run.data.metrics
