@@ -267,6 +267,13 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
                    os.path.join(config["record_dir"], f"snapshot-{config['phase']}-rank{rank}.pt"))
 
 
+# Spare workers preloading what these train functions import. The marker variable gives run_job's
+# workers a runtime environment of their own: a test of the recommended config's spares
+# (test_chaos) checks when its spares were started, so they must never be run_job's leftovers.
+RUN_JOB_WORKER_ENV = {**spare_workers.worker_env(("torch", "ray.train.torch", "ray_resilient", "trainlib")),
+                      "RAY_RESILIENT_TEST_RUN_JOB": "1"}
+
+
 def run_job(
     train_fn,
     config: dict[str, Any],
@@ -300,13 +307,6 @@ def run_job(
         ),
     )
     return trainer.fit()
-
-
-# Spare workers preloading what these train functions import. The marker variable gives run_job's
-# workers a runtime environment of their own: a test of the recommended config's spares
-# (test_chaos) checks when its spares were started, so they must never be run_job's leftovers.
-RUN_JOB_WORKER_ENV = {**spare_workers.worker_env(("torch", "ray.train.torch", "ray_resilient", "trainlib")),
-                      "RAY_RESILIENT_TEST_RUN_JOB": "1"}
 
 
 EMULATED_STEP_SECONDS = 0.02
