@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -65,8 +66,10 @@ def test_sigkill_during_upload_skips_then_collects_the_partial_checkpoint(refere
     assert [a["restored_step"] for a in attempts] == [0, 5]
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "upload"))
     # Every committed checkpoint survives; the partial checkpoint_10 of the first attempt is gone,
-    # replaced by the recomputed one of the second attempt.
-    assert [(c.step, c.attempt) for c in checkpoints] == [(5, 0), (10, 1), (15, 1), (20, 1), (24, 1)]
+    # replaced by the recomputed one of the second attempt (whose later saves may each land a step
+    # late under load: a save due while the one before is still being written waits a step).
+    assert [(c.step, c.attempt) for c in checkpoints][:2] == [(5, 0), (10, 1)]
+    assert len(checkpoints) == 5 and checkpoints[-1].step == 24 and {c.attempt for c in checkpoints[1:]} == {1}
     assert all(c.complete for c in checkpoints)
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
@@ -79,8 +82,13 @@ def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, t
     assert result.error is None
     assert result.metrics["checkpoint_failed_saves"] == 1
     assert len(trainlib.read_attempts(str(record))) == 1  # no restart
-    steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "failing"))]
-    assert steps == [5, 15, 20, 24]  # 10 failed, was never complete, and was collected
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "failing"))
+    steps = [c.step for c in checkpoints]
+    # 10 failed, was never complete, and was collected. A save due while earlier ones are still
+    # being written waits a step (checkpoint_deferred_saves), so under load 15 may land at 16.
+    assert steps[0] == 5 and steps[-1] == 24 and len(steps) == 4, steps
+    assert not any(10 <= step < 15 for step in steps), steps
+    assert all(c.complete for c in checkpoints)
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
@@ -104,16 +112,18 @@ def test_three_failed_saves_in_a_row_fail_the_attempt_and_the_restart_trains_on(
     result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, plan), str(storage), "escalating",
                               num_to_keep=None)
     assert result.error is None
-    # Saves 5, 10 and 15 failed. Save 20 may have been staged before the third failure was collected
-    # (two staging sets) and then completed: the restart resumes from it if so, else from scratch.
+    # Saves 5, 10 and 15 failed (each a step later if deferred). Save 20 may have been staged before
+    # the third failure was collected (two staging sets) and then completed: the restart resumes
+    # from it if so, else from scratch.
     first_attempt = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "escalating"))
                      if c.complete and c.attempt == 0]
-    assert first_attempt in ([], [20])
+    assert len(first_attempt) <= 1 and all(20 <= step < 24 for step in first_attempt), first_attempt
     resumed = first_attempt[0] if first_attempt else 0
     assert [a["restored_step"] for a in trainlib.read_attempts(str(record))] == [0, resumed]
     failures = [e["error"] for e in read_events(pafs.LocalFileSystem(), str(storage / "escalating"))
                 if e["kind"] == "failure"]  # the ledger records each rank's error
-    assert failures and all("3 checkpoint saves in a row failed (the last, at step 15" in f for f in failures), failures
+    assert failures and all(re.search(r"3 checkpoint saves in a row failed \(the last, at step 1[5-9]", f)
+                            for f in failures), failures
     assert result.metrics["checkpoint_failed_saves"] == 0
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 

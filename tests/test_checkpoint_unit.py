@@ -156,6 +156,14 @@ def test_fault_plan_parsing_and_fire_once(storage):
         injector.fire("step", 3)
     # A restarted attempt (a new injector over the same run storage) goes past it.
     no_faults(storage, "raise:step=3").fire("step", 3)
+    # A checkpoint fault fires on the first save at or after its step (a deferred save lands a step
+    # late), once; a step fault only at its step.
+    injector = no_faults(storage, "fail_write:upload=15;raise:step=20")
+    injector.fire("upload", 10)
+    injector.fire("step", 21)
+    with pytest.raises(OSError, match="fail_write-upload-15"):
+        injector.fire("upload", 16)
+    injector.fire("upload", 20)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
