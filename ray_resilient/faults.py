@@ -8,8 +8,10 @@ command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
   slower than the interval: the write of that step's checkpoint sleeps ``seconds=S`` more).
 - POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
   step), ``upload`` (while writing/uploading it, after part of it is written), ``durable``
-  (after it is durable, before Ray registers it). A checkpoint point fires on the first save at
-  or after STEP: a save due while the ones before are still being written is deferred a step.
+  (after it is durable, before Ray registers it), ``copy`` (survivor mode: while a replica sends
+  its state to the replicas behind it, after the size, before the state). These points fire on
+  the first save (or copy) at or after STEP: a save due while the ones before are still being
+  written is deferred a step.
 
 Example: ``kill:step=7:rank=1;kill:upload=20`` kills rank 1 after step 7, then rank 0 (the
 default rank) in the middle of writing the checkpoint of step 20. A fault fires once per run:
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "RAY_RESILIENT_FAULTS"
 ACTIONS = ("kill", "raise", "fail_write", "slow_write")
-POINTS = ("step", "staging", "upload", "durable")
+POINTS = ("step", "staging", "upload", "durable", "copy")
 
 
 class InjectedFault(RuntimeError):
@@ -115,8 +117,8 @@ class FaultInjector:
         return cls(parse_faults(spec), rank, filesystem, f"{experiment_path}/.faults")
 
     def fire(self, point: str, step: int) -> None:
-        """Fire the fault planned at (point, step) unless it already fired in this run; at a
-        checkpoint point, also one planned at an earlier step whose save was deferred past it."""
+        """Fire the fault planned at (point, step) unless it already fired in this run; at a point
+        other than ``step``, also one planned at an earlier step (a save deferred past it)."""
         for fault in self.faults:
             due = fault.step == step if point == "step" else fault.step <= step
             if fault.point == point and due and self._claim(fault):

@@ -115,6 +115,17 @@ def test_failed_write_is_reported_and_never_complete(storage):
     writer.close()
 
 
+def test_no_save_writes_into_a_complete_checkpoint(storage, tmp_path):
+    writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
+    assert save(writer, make_components(0), 5).ok
+    directory = tmp_path / "run" / checkpoint_dir_name(5, 0)
+    committed = {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in directory.iterdir()}
+    result = save(writer, make_components(1), 5)  # other weights under the committed name
+    assert not result.ok and f"refusing to write into {directory}: it holds a complete checkpoint" in result.error
+    assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in directory.iterdir()} == committed
+    writer.close()
+
+
 def test_corrupt_newest_checkpoint_falls_back_with_a_warning(storage, tmp_path, caplog):
     writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
     old = make_components(1)

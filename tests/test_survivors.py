@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import threading
@@ -27,14 +28,14 @@ SURVIVOR_JOB = {"seed": 11, "samples": 480, "global_batch": 48, "epochs": 6, "mi
                 "step_seconds": 0.03}
 
 
-def fit_survivors(config: dict, storage: Path, name: str, max_failures: int = 4):
+def fit_survivors(config: dict, storage: Path, name: str, max_failures: int = 4, workers: int = 3):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from ray_resilient.survivors import SurvivorConfig
 
     trainer = TorchTrainer(trainlib.survivor_fn, train_loop_config=config, torch_config=SurvivorConfig(),
-                           scaling_config=ScalingConfig(num_workers=3),
+                           scaling_config=ScalingConfig(num_workers=workers),
                            run_config=RunConfig(name=name, storage_path=str(storage),
                                                 failure_config=FailureConfig(max_failures=max_failures)))
     return trainer.fit()
@@ -190,3 +191,83 @@ def test_a_killed_driver_resumes_from_the_newest_complete_checkpoint(uninterrupt
     restarted = [r for r in records_of(record, kind="joined") if r["pid"] not in first_pids]
     assert sorted(r["rank"] for r in restarted) == [0, 1, 2] and {r["step"] for r in restarted} == {20}
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
+
+
+def committed_files(run_dir: Path) -> dict[str, tuple[str, int]]:
+    """Every file of the run's complete checkpoints: its SHA-256 and modification time."""
+    return {f"{Path(c.path).name}/{f.name}": (hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_mtime_ns)
+            for c in list_checkpoints(pafs.LocalFileSystem(), str(run_dir)) if c.complete
+            for f in Path(c.path).iterdir()}
+
+
+def fit_in_background(config: dict, storage: Path, name: str) -> tuple[threading.Thread, dict]:
+    """A 2-replica survivor run in a thread; its result lands in the dict."""
+    outcome: dict = {}
+    run = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, name, workers=2)))
+    run.start()
+    return run, outcome
+
+
+def assert_resumed_from_storage_and_ended_like_the_reference(record: Path, storage: Path, committed: dict,
+                                                             replacement_pid: int, uninterrupted: Path) -> None:
+    """The replacement that was left without a replica holding state read checkpoint 10 from
+    storage under a new attempt number; nothing committed was written over; bitwise the reference."""
+    assert [r["step"] for r in records_of(record, kind="joined", pid=replacement_pid)] == [10]
+    assert committed and all(committed_files(storage)[name] == seen for name, seen in committed.items())
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage))
+    assert all(c.complete for c in checkpoints) and checkpoints[-1].step == 60
+    assert {c.attempt for c in checkpoints if c.step > 10} == {1}
+    restores = [e["step"] for e in read_events(pafs.LocalFileSystem(), str(storage)) if e["kind"] == "restore"]
+    assert restores == [0, 10]
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
+
+
+def test_the_only_replica_with_state_killed_while_copying_it_leaves_the_others_to_restore_from_storage(
+        uninterrupted, tmp_path):
+    """Replica 1 dies after step 12; replica 0, alone, copies its state to 1's replacement and is
+    killed in the middle of the copy (a fault of the copy). The replacement holds no state: it must
+    not train on from step 0 under the run's first attempt number (writing over its checkpoints)."""
+    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
+    record.mkdir()
+    config = {**SURVIVOR_JOB, "record_dir": str(record), "faults": "kill:step=12:rank=1;kill:copy=12:rank=0",
+              # Replica 0 stops after step 15 until the replacement started, so that it copies.
+              "wait_at": [{"step": 15, "until": str(released)}]}
+    run, outcome = fit_in_background(config, storage, "copy")
+    try:
+        wait_until(lambda: newest_step(record) >= 15, timeout=300, what="step 15")
+        killed = pid_of(record, 1)
+        wait_until(lambda: pid_of(record, 1, not_pid=killed), timeout=300, what="replica 1's replacement")
+        replacement = pid_of(record, 1, not_pid=killed)
+        committed = committed_files(storage / "copy")
+    finally:
+        released.touch()
+        run.join(timeout=600)
+    assert not run.is_alive() and outcome["result"].error is None
+    assert "kill-copy-12-rank0" in {p.name for p in (storage / "copy" / ".faults").iterdir()}
+    assert_resumed_from_storage_and_ended_like_the_reference(record, storage / "copy", committed, replacement,
+                                                             uninterrupted)
+
+
+def test_the_last_replica_with_state_lost_while_a_replacement_waits_leaves_it_to_restore_from_storage(
+        uninterrupted, tmp_path):
+    """Replica 1 is killed while replica 0 stands after step 15; its replacement waits to be taken
+    in at a step boundary; then replica 0 is killed too (another of Ray's health-check polls).
+    Nobody would ever take the replacement in: it must not wait forever."""
+    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
+    record.mkdir()
+    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 15, "until": str(released)}]}
+    run, outcome = fit_in_background(config, storage, "waiting")
+    try:
+        wait_until(lambda: newest_step(record) >= 15, timeout=300, what="step 15")
+        first = {replica: pid_of(record, replica) for replica in range(2)}
+        os.kill(first[1], signal.SIGKILL)
+        wait_until(lambda: pid_of(record, 1, not_pid=first[1]), timeout=300, what="replica 1's replacement")
+        replacement = pid_of(record, 1, not_pid=first[1])
+        committed = committed_files(storage / "waiting")
+        os.kill(first[0], signal.SIGKILL)
+    finally:
+        released.touch()
+        run.join(timeout=600)
+    assert not run.is_alive() and outcome["result"].error is None
+    assert_resumed_from_storage_and_ended_like_the_reference(record, storage / "waiting", committed, replacement,
+                                                             uninterrupted)

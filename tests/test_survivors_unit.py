@@ -39,3 +39,26 @@ def test_the_micro_batches_of_a_step_are_its_global_batch_of_the_plan_in_order()
         assert torch.equal(features_1, data.features[ids_1]) and torch.equal(labels_1, data.labels[ids_1])
     with pytest.raises(ValueError, match="not divisible into 5"):
         data.micro_batch(0, 0, 5)
+
+
+def test_the_next_membership_copies_from_a_replica_holding_state_or_restores_from_storage():
+    from ray_resilient.survivors.coordinator import Membership, Report, next_membership
+
+    first = next_membership(None, {}, (2, 0, 1))  # a worker group starting: one read, the others copy
+    assert (first.epoch, first.members, first.source, first.lead, first.behind, first.from_storage) == (
+        0, (0, 1, 2), 0, 0, (1, 2), True)
+    old = Membership(3, (0, 1, 2), 40, 0, 0, ())
+    # Replica 1 died; 0 and 2 applied 41 and 40 steps; replacement 1 waits.
+    after = next_membership(old, {0: Report(41, True), 2: Report(40, True)}, (1,))
+    assert (after.members, after.step, after.source, after.lead, after.behind, after.from_storage) == (
+        (0, 1, 2), 41, 0, 0, (1, 2), False)
+    # The lead died; the replacement 0 whose copy broke off says it has no state: it is never the
+    # source nor the lead, whatever step it reports.
+    old = Membership(5, (0, 1), 41, 0, 0, (1,))
+    after = next_membership(old, {0: Report(0, False), 1: Report(41, True)}, ())
+    assert (after.source, after.lead, after.step, after.behind) == (1, 1, 41, (0,))
+    # The only replica holding state died while copying: the others restore from storage.
+    after = next_membership(Membership(6, (0, 1), 41, 0, 0, (1,)), {1: Report(0, False)}, (0,))
+    assert (after.epoch, after.members, after.source, after.lead, after.behind, after.from_storage) == (
+        7, (0, 1), 0, 0, (1,), True)
+    assert next_membership(old, {}, ()) is None

@@ -49,6 +49,19 @@ def is_complete(fs: pafs.FileSystem, path: str) -> bool:
     return info.type == pafs.FileType.File
 
 
+class CheckpointExistsError(FileExistsError):
+    """A save was about to write into the directory of a complete checkpoint."""
+
+
+def refuse_complete(fs: pafs.FileSystem, path: str) -> None:
+    """Raise :class:`CheckpointExistsError` when ``path`` is a complete checkpoint: no writer ever
+    writes into one (what it would replace may be registered with Ray, or restored from)."""
+    if is_complete(fs, path):
+        raise CheckpointExistsError(
+            f"refusing to write into {path}: it holds a complete checkpoint, which is never written over "
+            "(two writers of one run, or a reused attempt number)")
+
+
 def list_checkpoints(fs: pafs.FileSystem, experiment_path: str) -> list[CheckpointDir]:
     """All checkpoint directories of a run, oldest first, each marked complete or not."""
     selector = pafs.FileSelector(experiment_path, allow_not_found=True)

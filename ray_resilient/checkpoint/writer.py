@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from ray_resilient._torch_internals import written_file
 from ray_resilient.checkpoint.collectives import all_ranks_agree
 from ray_resilient.checkpoint.integrity import record_checksums
-from ray_resilient.checkpoint.layout import delete_partial_checkpoints
+from ray_resilient.checkpoint.layout import delete_partial_checkpoints, refuse_complete
 from ray_resilient.checkpoint.staging import HostStager
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.faults import FaultInjector
@@ -197,7 +197,8 @@ class AsyncCheckpointWriter:
                 logger.exception("Checkpoint at step %d failed while %s", step, phase)
                 return False
 
-        ok = self._agree(attempt("writing shards", lambda: self._write_shards(staged, step, name)))
+        ok = self._agree(attempt("checking it is new", lambda: refuse_complete(self.storage.filesystem, path)))
+        ok = ok and self._agree(attempt("writing shards", lambda: self._write_shards(staged, step, name)))
         if ok and self.storage.is_remote:
             ok = self._agree(attempt("uploading shards", lambda: self._upload_shards(step, name)))
             if ok:

@@ -11,9 +11,15 @@ replica is lost or a replacement is waiting. As soon as a member is gone, or one
 membership, the coordinator sets :func:`lost_key` in the store: a member blocked in a collective
 that the dead one's broken connections did not reach (gloo only fails the pairs that touch it)
 stops waiting too. Every replica of the old membership calls
-:meth:`MembershipCoordinator.reform` with the last step it applied; the new membership is formed
-once each of them has called or is gone, and takes in the replacements waiting. Its source is a
-replica that applied the most steps: the replicas behind it (and every replacement) copy its state.
+:meth:`MembershipCoordinator.reform` with the last step it applied and whether it holds the run's
+state; the new membership is formed once each of them has called or is gone, and takes in the
+replacements waiting (:func:`next_membership`). Its source is a replica holding state that applied
+the most steps: the replicas behind it (and every replacement) copy its state. A replica without
+state (a replacement whose copy broke off) is never the source nor the lead. When no member holding
+state is left (the source died while copying, or every member died while replacements waited), the
+next membership restores from storage: its source reads the newest complete checkpoint, under a new
+attempt number, and the others copy from it, so committed checkpoints are never written over. The
+first membership of a worker group starts that way too, so that every replica starts from one read.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ def lost_key(epoch: int) -> str:
     return f"lost/{epoch}"
 
 UNRESPONSIVE_S = 120.0  # a live replica that never reports a membership change is dropped after this
+JOIN_TIMEOUT_S = 600.0  # a replacement not taken in by then fails (Ray starts it again)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +55,37 @@ class Membership:
     source: int  # the member whose state the others behind ``step`` copy
     lead: int  # the member that saves checkpoints and records progress (kept while it lives)
     behind: tuple[int, ...]  # members (replacements included) that copy the source's state
+    from_storage: bool = False  # the source restores the newest complete checkpoint first (none holds state)
     finished: bool = False
 
     def rank(self, member: int) -> int:
         return self.members.index(member)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What a member of the membership being changed said: its last applied step, and whether it
+    holds the run's state (False: a replacement whose state copy broke off)."""
+
+    step: int
+    has_state: bool
+
+
+def next_membership(old: Membership | None, reports: dict[int, Report], joiners: tuple[int, ...]) -> Membership | None:
+    """The membership after ``old`` (None: the worker group's first) of the live members that
+    reported and the replacements waiting; None when nobody is left to form one."""
+    members = tuple(sorted({*reports, *joiners}))
+    if not members:
+        return None
+    epoch = 0 if old is None else old.epoch + 1
+    holders = {replica: report.step for replica, report in reports.items() if report.has_state}
+    if not holders:  # nobody holds the run's state: the source reads it from storage
+        return Membership(epoch, members, 0, members[0], members[0], members[1:], from_storage=True)
+    step = max(holders.values())
+    source = min(replica for replica, applied in holders.items() if applied == step)
+    behind = tuple(r for r in members if holders.get(r, -1) < step)
+    lead = old.lead if old is not None and old.lead in holders else source
+    return Membership(epoch, members, step, source, lead, behind)
 
 
 @ray.remote(num_cpus=0)
@@ -67,7 +101,7 @@ class MembershipCoordinator:
         self._changed = asyncio.Condition()
         self._current: Membership | None = None
         self._tokens: dict[int, str] = {}  # replica id -> token of the current membership's members
-        self._reports: dict[str, int] = {}  # token -> last applied step, for the membership being changed
+        self._reports: dict[str, Report] = {}  # token -> its report, for the membership being changed
         self._joiners: dict[int, str] = {}  # replica id -> token of replacements waiting
         self._finished_step: int | None = None
 
@@ -95,6 +129,7 @@ class MembershipCoordinator:
             del self._connected[token]
             if self._current is not None and token in self._tokens.values():
                 self._store.set(lost_key(self._current.epoch), "1")
+                self._form_if_abandoned()
             self._changed.notify_all()
         logger.info("Replica %s (%s) is gone", replica, token)
 
@@ -107,28 +142,33 @@ class MembershipCoordinator:
             if self._current is None:  # the worker group's first start: all replicas together
                 self._joiners[replica] = token
                 if len(self._joiners) == self._replicas:
-                    members = tuple(sorted(self._joiners))
-                    self._tokens, self._joiners = dict(self._joiners), {}
-                    self._current = Membership(0, members, 0, members[0], members[0], ())
-                    self._changed.notify_all()
+                    self._form_next()
                 await self._changed.wait_for(lambda: self._current is not None)
                 return self._current
             epoch = self._current.epoch
             self._joiners[replica] = token
             self._store.set(JOINERS_KEY, "1")
-            await self._changed.wait_for(lambda: self._current.epoch > epoch or self._finished_step is not None)
+            self._form_if_abandoned()
+            try:
+                await asyncio.wait_for(self._changed.wait_for(
+                    lambda: self._current.epoch > epoch or self._finished_step is not None), JOIN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self._joiners.pop(replica, None)
+                raise RuntimeError(f"replica {replica} waited {JOIN_TIMEOUT_S:.0f} s to be taken in: the live "
+                                   "replicas never reached a step boundary") from None
             if self._finished_step is not None:
                 return self._finished_membership()
             return self._current
 
-    async def reform(self, epoch: int, token: str, applied_step: int) -> Membership:
-        """A member of membership ``epoch`` asks for the next one, having applied ``applied_step``."""
+    async def reform(self, epoch: int, token: str, applied_step: int, has_state: bool) -> Membership:
+        """A member of membership ``epoch`` asks for the next one, having applied ``applied_step``
+        (meaningful only when it ``has_state``)."""
         async with self._changed:
             if self._current.epoch != epoch or token not in self._tokens.values():
                 if self._current.epoch > epoch and token in self._tokens.values():
                     return self._current  # formed while this member was on its way
                 raise RuntimeError(f"replica {token} was dropped from membership {epoch}; it must restart")
-            self._reports[token] = applied_step
+            self._reports[token] = Report(applied_step, has_state)
             self._store.set(lost_key(epoch), "1")  # members still inside a collective stop waiting
             if not self._all_reported():
                 try:
@@ -152,20 +192,29 @@ class MembershipCoordinator:
     def _all_reported(self) -> bool:
         return all(token in self._reports or token not in self._connected for token in self._tokens.values())
 
+    def _form_if_abandoned(self) -> None:
+        """With no member of the current membership left, form the next one of the replacements
+        waiting (nobody else would: only members ask for it)."""
+        if (self._finished_step is None and not any(t in self._connected for t in self._tokens.values())
+                and any(t in self._connected for t in self._joiners.values())):
+            self._form_next()
+
     def _form_next(self) -> None:
         old = self._current
-        reported = {replica: token for replica, token in self._tokens.items() if token in self._reports}
-        step = max(self._reports[token] for token in reported.values())
-        source = min(replica for replica, token in reported.items() if self._reports[token] == step)
-        tokens = {**reported, **{r: t for r, t in self._joiners.items() if t in self._connected}}
-        members = tuple(sorted(tokens))
-        behind = tuple(r for r in members if r not in reported or self._reports[reported[r]] < step)
-        lead = old.lead if old.lead in reported else members[0]
-        self._current = Membership(old.epoch + 1, members, step, source, lead, behind)
-        self._tokens, self._reports, self._joiners = tokens, {}, {}
+        reported = {replica: token for replica, token in self._tokens.items()
+                    if token in self._reports and token in self._connected}
+        joiners = {replica: token for replica, token in self._joiners.items() if token in self._connected}
+        current = next_membership(old, {replica: self._reports[token] for replica, token in reported.items()},
+                                  tuple(joiners))
+        if current is None:
+            return
+        self._current = current
+        self._tokens, self._reports, self._joiners = {**reported, **joiners}, {}, {}
         self._store.delete_key(JOINERS_KEY)
-        logger.info("Membership %d: replicas %s from step %d (lost %s, joined %s)", self._current.epoch, members,
-                    step, sorted(set(old.members) - set(members)), sorted(set(members) - set(old.members)))
+        before = set(old.members) if old is not None else set()
+        logger.info("Membership %d: replicas %s from %s (lost %s, joined %s)", current.epoch, current.members,
+                    "storage" if current.from_storage else f"step {current.step} of replica {current.source}",
+                    sorted(before - set(current.members)), sorted(set(current.members) - before))
         self._changed.notify_all()
 
     def _finished_membership(self) -> Membership:

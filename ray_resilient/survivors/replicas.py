@@ -19,7 +19,9 @@ checkpoint attempt from a live replica's memory over gloo (no storage read), and
 next step boundary.
 
 The lead replica saves plain DCP checkpoints in the background, as a one-rank job; they are the
-safety net for losing every replica or the driver, restored when the worker group starts.
+safety net for losing every replica holding state, or the driver. A worker group starts with one
+replica restoring the newest complete checkpoint and the others copying from it, so every replica
+starts from one read; a membership left without a replica holding state starts the same way.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ class SurvivingReplicas:
         seed: the run's seed (RNG streams per micro-batch are derived from it).
         checkpoint_interval: steps between the lead's checkpoints (None: only the final one).
         faults: a fault plan (:mod:`ray_resilient.faults`; a fault's rank is the replica): ``step``
-            faults fire after a step is applied, the others in the lead's checkpoint writes.
+            faults fire after a step is applied, ``copy`` in a replica sending its state, the
+            others in the lead's checkpoint writes.
         timeout_s: how long a collective waits for a replica that hangs without dying.
     """
 
@@ -122,6 +125,7 @@ class SurvivingReplicas:
         self._membership: Membership | None = None
         self._group: Any = None
         self._trained = False  # whether this process applied a step
+        self._holds_state = False  # restored from storage, or copied from a replica that held it
         self._abandoned: list[Any] = []  # gloo groups left inside a collective with a lost replica
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -135,17 +139,11 @@ class SurvivingReplicas:
         self._node_ip = ray.util.get_node_ip_address()
         self._live = socket.create_connection((host, live_port))
         self._live.sendall(f"{self.replica} {self._token}\n".encode())
-        started = time.time()
         membership = ray.get(self._coordinator.join.remote(self.replica, self._token))
         if membership.finished:
             self.step, self.finished = membership.step, True
             return self
-        self._membership = membership
-        if membership.epoch == 0:
-            self._restore_from_storage(started)
-        try:
-            self._enter(membership)
-        except RuntimeError:  # a replica was lost while the group formed
+        if not self._take(membership):
             self._change_membership()
         return self
 
@@ -263,27 +261,41 @@ class SurvivingReplicas:
     def _change_membership(self) -> None:
         """Re-form with the replicas that remain (and those waiting to join), again if one more is lost."""
         while True:
-            membership = ray.get(self._coordinator.reform.remote(self._membership.epoch, self._token, self.step))
-            try:
-                self._enter(membership)
+            membership = ray.get(self._coordinator.reform.remote(self._membership.epoch, self._token, self.step,
+                                                                 self._holds_state))
+            if self._take(membership):
                 return
-            except RuntimeError as err:  # another replica was lost while the group formed
-                logger.warning("Membership %d lost a replica as it formed (%s)", membership.epoch,
-                               str(err).splitlines()[0][:200])
 
-    def _enter(self, membership: Membership) -> None:
-        """Form ``membership``'s gloo group; bring the members behind its source up to date."""
+    def _take(self, membership: Membership) -> bool:
+        """Enter ``membership`` (restoring from storage first when that is this replica's part);
+        False when a replica was lost while its group formed."""
         previous, self._membership = self._membership, membership
+        started = time.time()
+        if membership.from_storage and membership.source == self.replica:
+            self._restore_from_storage()
+        try:
+            self._enter(membership, previous, started)
+            return True
+        except RuntimeError as err:  # gloo's error, or ReplicaLostError
+            logger.warning("Membership %d lost a replica as it formed (%s)", membership.epoch,
+                           str(err).splitlines()[0][:200])
+            return False
+
+    def _enter(self, membership: Membership, previous: Membership | None, started: float) -> None:
+        """Form ``membership``'s gloo group; bring the members behind its source up to date (a
+        restore from storage, from ``started``, when the source read the state from there)."""
         store = dist.PrefixStore(f"membership{membership.epoch}/", self._store)
         self._group = gloo_group(store, membership.rank(self.replica), len(membership.members), self.timeout,
                                  self._node_ip)
-        if membership.behind:
-            started = time.time()
-            sent = self._copy_state_from(membership.rank(membership.source))
-            self._record(EventKind.PEER_RECOVERY, t_start=started, step=membership.step,
+        copy_started = time.time()
+        sent = self._copy_state_from(membership.rank(membership.source)) if membership.behind else 0
+        if membership.from_storage:
+            self._record(EventKind.RESTORE, t_start=started, step=self.step)
+        elif membership.behind:
+            self._record(EventKind.PEER_RECOVERY, t_start=copy_started, step=self.step,
                          replicas=list(membership.behind), bytes=sent)
         if previous is not None and previous.epoch != membership.epoch:
-            self._record(EventKind.MEMBERSHIP, step=membership.step, world_size=len(membership.members),
+            self._record(EventKind.MEMBERSHIP, step=self.step, world_size=len(membership.members),
                          lost=sorted(set(previous.members) - set(membership.members)),
                          joined=sorted(set(membership.members) - set(previous.members)))
         if self.is_lead and self._writer is None:
@@ -311,26 +323,33 @@ class SurvivingReplicas:
             payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         self._wait(self._group.broadcast(size, root))
-        if self._membership.rank(self.replica) != root:
+        if self._membership.rank(self.replica) == root:
+            self._faults.fire("copy", self.step)
+        else:
             payload = torch.empty(int(size), dtype=torch.uint8)
         self._wait(self._group.broadcast(payload, root))
         if self.replica in self._membership.behind:
             received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
             self._components.load_shared_state(received["state"])
             self.step, self._attempt, self._last_saved = received["step"], received["attempt"], received["last_saved"]
+            self._holds_state = True
         return int(size)
 
     # --- checkpoints --------------------------------------------------------------------
 
-    def _restore_from_storage(self, started: float) -> None:
-        """The worker group's start: resume from the newest complete checkpoint, if any."""
+    def _restore_from_storage(self) -> None:
+        """Resume from the newest complete checkpoint, if any (else the state this process built),
+        under a new attempt number: the recomputed steps' checkpoints never take a committed name."""
+        started = time.time()
         plan = find_complete_checkpoints(self._storage, None)
         self._attempt = plan.next_attempt
-        self._record(EventKind.ATTEMPT_START, world_size=ray.train.get_context().get_world_size())
+        self._record(EventKind.ATTEMPT_START, world_size=len(self._membership.members))
         loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
-        if loaded is not None:
-            self.step = self._last_saved = loaded[1].step
-        self._record(EventKind.RESTORE, t_start=started, step=self.step)
+        self.step, self._last_saved = (loaded[1].step, loaded[1].step) if loaded is not None else (0, -1)
+        self._holds_state = True
+        logger.info("Replica %d restored %s (step %d) in %.3fs for replicas %s", self.replica,
+                    loaded[0].path if loaded is not None else "no checkpoint", self.step, time.time() - started,
+                    self._membership.members)
 
     def _start_writer(self) -> None:
         self._storage.clear_local_staging()
