@@ -190,6 +190,7 @@ def test_a_killed_driver_resumes_from_the_newest_complete_checkpoint(uninterrupt
                  name="second").wait(timeout=600)
     restarted = [r for r in records_of(record, kind="joined") if r["pid"] not in first_pids]
     assert sorted(r["rank"] for r in restarted) == [0, 1, 2] and {r["step"] for r in restarted} == {20}
+    assert len({r["sha"] for r in restarted}) == 1  # one replica read the checkpoint, the others copied it
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
 
 

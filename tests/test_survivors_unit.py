@@ -62,3 +62,73 @@ def test_the_next_membership_copies_from_a_replica_holding_state_or_restores_fro
     assert (after.epoch, after.members, after.source, after.lead, after.behind, after.from_storage) == (
         7, (0, 1), 0, 0, (1,), True)
     assert next_membership(old, {}, ()) is None
+
+
+def test_a_state_copy_carries_every_leaf_into_the_receivers_own_tensors():
+    """Over a real gloo group (two ranks in threads): the receiver's model takes the tensors in
+    place; its optimizer, which never stepped, gets new ones."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from ray_resilient._torch_internals import gloo_group
+    from ray_resilient.survivors.state_copy import receive_state, send_state
+
+    def replica(seed: int, stepped: bool):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+        if stepped:
+            model(torch.randn(5, 4)).sum().backward()
+            optimizer.step()
+            scheduler.step()
+        return model, optimizer, scheduler
+
+    def state(model, optimizer, scheduler):
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "step": 41, "path": ("a", 1.5, None)}
+
+    source, receiver = replica(1, True), replica(2, False)
+    store = dist.HashStore()
+    groups = [None] * 2
+    results: dict = {}
+
+    def run(rank: int) -> None:
+        group = groups[rank] = gloo_group(dist.PrefixStore("copy/", store), rank, 2, datetime.timedelta(seconds=30),
+                                          "127.0.0.1")
+        wait = lambda work: work.wait()  # noqa: E731
+        if rank == 0:
+            results["sent"] = send_state(group, state(*source), wait)
+        else:
+            results["received"] = receive_state(group, {"model": receiver[0].state_dict()}, wait)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    received, expected = results["received"], state(*source)
+    assert received["step"] == 41 and received["path"] == ("a", 1.5, None)
+    assert received["scheduler"] == expected["scheduler"]
+    assert received["optimizer"]["param_groups"] == expected["optimizer"]["param_groups"]
+    for key, value in expected["model"].items():  # in place: the receiver's own parameters
+        assert torch.equal(receiver[0].state_dict()[key], value)
+        assert received["model"][key].data_ptr() == receiver[0].state_dict()[key].data_ptr()
+    for index, buffers in expected["optimizer"]["state"].items():  # int keys stay ints
+        assert torch.equal(received["optimizer"]["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
+    tensor_bytes = sum(v.numel() * v.element_size() for v in expected["model"].values()) + sum(
+        b["momentum_buffer"].numel() * 4 for b in expected["optimizer"]["state"].values())
+    assert tensor_bytes < results["sent"] < tensor_bytes + 4096  # the tensors and a small JSON layout
+
+
+def test_a_state_layout_carries_no_code_and_names_what_it_cannot_carry():
+    from ray_resilient.survivors.state_copy import StateLayoutError, describe, placeholders
+
+    with pytest.raises(StateLayoutError, match=r"state\['hook'\] is a function"):
+        describe({"hook": lambda: None}, [])
+    for bad in ({"tensor": ["system", [2]]}, {"tensor": ["float32", [-1]]}, {"pickle": "cos\nsystem"},
+                {"dict": [[["type", "os"], {"value": 1}]]}):
+        with pytest.raises(StateLayoutError):
+            placeholders(bad, None, [])

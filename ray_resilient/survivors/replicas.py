@@ -27,7 +27,6 @@ starts from one read; a membership left without a replica holding state starts t
 from __future__ import annotations
 
 import datetime
-import io
 import logging
 import os
 import socket
@@ -53,11 +52,13 @@ from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
 from ray_resilient.survivors.coordinator import JOINERS_KEY, Membership, lost_key
+from ray_resilient.survivors.state_copy import receive_state, send_state
 
 logger = logging.getLogger(__name__)
 
 LossOf = Callable[[int, int], torch.Tensor]
 LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
+MAX_REFORMS_WITHOUT_A_STEP = 10  # then the replica fails instead of re-forming again (no livelock)
 
 
 class ReplicaLostError(RuntimeError):
@@ -124,7 +125,9 @@ class SurvivingReplicas:
         self._last_saved = -1  # the step of the lead's newest save
         self._membership: Membership | None = None
         self._group: Any = None
+        self._copy_group: Any = None  # the source's and the replicas' behind it, while it copies
         self._trained = False  # whether this process applied a step
+        self._reforms_without_a_step = 0
         self._holds_state = False  # restored from storage, or copied from a replica that held it
         self._abandoned: list[Any] = []  # gloo groups left inside a collective with a lost replica
 
@@ -254,6 +257,7 @@ class SurvivingReplicas:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
+        self._reforms_without_a_step = 0
         return float(total[-1])
 
     # --- membership ---------------------------------------------------------------------
@@ -261,6 +265,10 @@ class SurvivingReplicas:
     def _change_membership(self) -> None:
         """Re-form with the replicas that remain (and those waiting to join), again if one more is lost."""
         while True:
+            self._reforms_without_a_step += 1
+            if self._reforms_without_a_step > MAX_REFORMS_WITHOUT_A_STEP:
+                raise RuntimeError(f"replica {self.replica} re-formed its group {MAX_REFORMS_WITHOUT_A_STEP} times "
+                                   f"without training a step (at step {self.step}): giving up rather than looping")
             membership = ray.get(self._coordinator.reform.remote(self._membership.epoch, self._token, self.step,
                                                                  self._holds_state))
             if self._take(membership):
@@ -288,7 +296,7 @@ class SurvivingReplicas:
         self._group = gloo_group(store, membership.rank(self.replica), len(membership.members), self.timeout,
                                  self._node_ip)
         copy_started = time.time()
-        sent = self._copy_state_from(membership.rank(membership.source)) if membership.behind else 0
+        sent = self._copy_state() if membership.behind else 0
         if membership.from_storage:
             self._record(EventKind.RESTORE, t_start=started, step=self.step)
         elif membership.behind:
@@ -307,33 +315,43 @@ class SurvivingReplicas:
         done = threading.Event()
         work.get_future().add_done_callback(lambda _: done.set())
         while not done.wait(LOST_POLL_S):
-            if self._store.check([lost_key(self._membership.epoch)]):
-                # The group stays referenced: destroying it would wait for the abandoned collective.
-                self._abandoned.append(self._group)
-                raise ReplicaLostError(f"membership {self._membership.epoch} lost a replica")
+            self._raise_if_lost()
         work.wait()  # raises gloo's error, if the collective failed
 
-    def _copy_state_from(self, root: int) -> int:
-        """Broadcast the source's state to the group; returns its size in bytes."""
-        payload = torch.zeros(0, dtype=torch.uint8)
-        if self._membership.rank(self.replica) == root:
-            buffer = io.BytesIO()
-            torch.save({"state": self._components.shared_state(), "step": self.step, "attempt": self._attempt,
-                        "last_saved": self._last_saved}, buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        self._wait(self._group.broadcast(size, root))
-        if self._membership.rank(self.replica) == root:
-            self._faults.fire("copy", self.step)
+    def _raise_if_lost(self) -> None:
+        if self._store.check([lost_key(self._membership.epoch)]):
+            # The groups stay referenced: destroying one would wait for the abandoned collective.
+            self._abandoned += [self._group, self._copy_group]
+            raise ReplicaLostError(f"membership {self._membership.epoch} lost a replica")
+
+    def _copy_state(self) -> int:
+        """The source sends its state to the members behind it (:mod:`.state_copy`), which take it;
+        the others wait until it was sent. Returns the bytes sent to each."""
+        membership = self._membership
+        copied = f"membership{membership.epoch}/copied"
+        copiers = (membership.source, *membership.behind)
+        if self.replica not in copiers:
+            while not self._store.check([copied]):
+                self._raise_if_lost()
+                time.sleep(LOST_POLL_S)
+            return 0
+        store = dist.PrefixStore(f"membership{membership.epoch}/copy/", self._store)
+        self._copy_group = gloo_group(store, copiers.index(self.replica), len(copiers), self.timeout, self._node_ip)
+        if self.replica == membership.source:
+            state = {"state": self._components.shared_state(), "step": self.step, "attempt": self._attempt,
+                     "last_saved": self._last_saved}
+            sent = send_state(self._copy_group, state, self._wait,
+                              before_tensors=lambda: self._faults.fire("copy", self.step))
+            self._store.set(copied, "1")
         else:
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        self._wait(self._group.broadcast(payload, root))
-        if self.replica in self._membership.behind:
-            received = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+            self._holds_state = False  # its own state is overwritten from here on
+            received = receive_state(self._copy_group, {"state": self._components.shared_state()}, self._wait)
             self._components.load_shared_state(received["state"])
             self.step, self._attempt, self._last_saved = received["step"], received["attempt"], received["last_saved"]
             self._holds_state = True
-        return int(size)
+            sent = 0
+        self._copy_group = None
+        return sent
 
     # --- checkpoints --------------------------------------------------------------------
 
