@@ -272,3 +272,43 @@ def test_the_last_replica_with_state_lost_while_a_replacement_waits_leaves_it_to
     assert not run.is_alive() and outcome["result"].error is None
     assert_resumed_from_storage_and_ended_like_the_reference(record, storage / "waiting", committed, replacement,
                                                              uninterrupted)
+
+
+def fit_survivors_refused(config: dict, storage: Path, name: str) -> BaseException:
+    """A second driver's survivor run of the same name (another ``fit()``: another Ray Train run id)."""
+    from ray.train.torch import TorchTrainer
+
+    ray_config = recommended_ray_config(name, str(storage), workers=1, max_failures=2, survivors=True,
+                                        spare_workers=False)
+    with pytest.raises(Exception) as refused:
+        ray_config.fit(TorchTrainer(trainlib.survivor_fn, train_loop_config=config, **ray_config.trainer_kwargs()))
+    return refused.value
+
+
+def test_a_second_run_of_a_survivor_runs_name_is_refused_survivor_or_checkpointer_and_the_first_loses_nothing(
+        uninterrupted, tmp_path):
+    from ray.train import TrainingFailedError
+
+    from ray_resilient import RunLeaseHeldError
+
+    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
+    record.mkdir()
+    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 12, "until": str(released)}]}
+    run, outcome = fit_in_background(config, storage, "leased")
+    try:
+        wait_until(lambda: newest_step(record) >= 12, timeout=300, what="step 12")
+        other = {**SURVIVOR_JOB, "record_dir": str(tmp_path / "other")}
+        (tmp_path / "other").mkdir()
+        refused = fit_survivors_refused(other, storage, "leased")
+        assert isinstance(refused, RunLeaseHeldError) and "is in use by Ray Train run" in str(refused)
+        with pytest.raises(TrainingFailedError, match="is in use by Ray Train run"):
+            trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"), str(storage), "leased",
+                             workers=1, max_failures=0)
+        assert newest_step(tmp_path / "other") == 0  # refused before its first step
+    finally:
+        released.touch()
+        run.join(timeout=600)
+    assert not run.is_alive() and outcome["result"].error is None
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "leased"))
+    assert [c.step for c in checkpoints if c.complete] == [10, 20, 30, 40, 50, 60]
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))

@@ -75,6 +75,11 @@ class RunLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def held(self) -> bool:
+        """Whether this object took the lease and keeps renewing it."""
+        return self._thread is not None
+
     def acquire(self) -> None:
         """Take the lease, and keep renewing it until :meth:`release`.
 
@@ -122,7 +127,7 @@ class RunLease:
 
     def release(self) -> None:
         """Stop renewing and remove the lease if this object took it and still holds it: the run has ended."""
-        held = self._thread is not None
+        held = self.held
         self.stop()
         if held and self.lost_to is None and (record := self.read()) is not None and record.run_id == self.run_id:
             self.filesystem.delete_file(self.path)

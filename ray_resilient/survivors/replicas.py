@@ -18,7 +18,9 @@ replacement in the dead replica's place; it copies model, optimizer, scheduler, 
 checkpoint attempt from a live replica's memory over gloo (no storage read), and joins at the
 next step boundary.
 
-The lead replica saves plain DCP checkpoints in the background, as a one-rank job; they are the
+The lead replica holds the run directory's lease (one driver per run, as with ``Checkpointer``:
+:mod:`ray_resilient.checkpoint.lease`) and saves plain DCP checkpoints in the background, as a
+one-rank job; they are the
 safety net for losing every replica holding state, or the driver. A worker group starts with one
 replica restoring the newest complete checkpoint and the others copying from it, so every replica
 starts from one read; a membership left without a replica holding state starts the same way.
@@ -41,8 +43,10 @@ import ray.train
 import torch
 import torch.distributed as dist
 
+from ray_resilient._ray_internals import train_run_id
 from ray_resilient._torch_internals import gloo_group, is_batch_norm
-from ray_resilient.checkpoint.layout import checkpoint_dir_name
+from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
+from ray_resilient.checkpoint.lease import RunLease
 from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, reseed_rng
 from ray_resilient.checkpoint.storage import CheckpointStorage
@@ -120,6 +124,7 @@ class SurvivingReplicas:
         self._faults = FaultInjector.from_plan(faults, self.replica, self._storage.filesystem,
                                                self._storage.experiment_path)
         self._ledger: LedgerWriter | None = None  # the lead's: it records the run's progress as its rank 0
+        self._lease = RunLease(self._storage.filesystem, self._storage.experiment_path, train_run_id())
         self._writer: AsyncCheckpointWriter | None = None
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
         self._last_saved = -1  # the step of the lead's newest save
@@ -165,6 +170,10 @@ class SurvivingReplicas:
                 self._writer.close()
             elif self._writer is not None:
                 self._writer.abandon()  # saves in flight stay partial
+            if exc_type is None:
+                self._lease.release()
+            else:  # a restart of this run takes it back; if none comes, it expires
+                self._lease.stop()
             if self._ledger is not None:
                 self._ledger.close()
             self._live.close()
@@ -208,8 +217,10 @@ class SurvivingReplicas:
                 SpareWorkerRequest().first_step()  # a warm process for the next replacement on this node
             self._trained = True
             self._record(EventKind.STEP, step=self.step, t_start=started, data_wait=0.0)
-            if self.is_lead and self.interval and self.step % self.interval == 0:
-                self._save()
+            if self.is_lead:
+                self._lease.check()
+                if self.interval and self.step % self.interval == 0:
+                    self._save()
             if gathered[0][-1] > 0:  # a replacement is waiting: take it in at this step boundary
                 self._change_membership()
             return loss
@@ -359,7 +370,9 @@ class SurvivingReplicas:
         """Resume from the newest complete checkpoint, if any (else the state this process built),
         under a new attempt number: the recomputed steps' checkpoints never take a committed name."""
         started = time.time()
+        self._hold_lease()
         plan = find_complete_checkpoints(self._storage, None)
+        delete_partial_checkpoints(self._storage.filesystem, self._storage.experiment_path)
         self._attempt = plan.next_attempt
         self._record(EventKind.ATTEMPT_START, world_size=len(self._membership.members))
         loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
@@ -369,10 +382,18 @@ class SurvivingReplicas:
                     loaded[0].path if loaded is not None else "no checkpoint", self.step, time.time() - started,
                     self._membership.members)
 
+    def _hold_lease(self) -> None:
+        """Take the run directory's lease (back, when a replica of this run held it): this replica
+        reads, writes and deletes checkpoints from here on. ``RunLeaseHeldError`` when another
+        driver's run holds it."""
+        if not self._lease.held:
+            self._lease.acquire()
+
     def _start_writer(self) -> None:
+        self._hold_lease()
         self._storage.clear_local_staging()
         self._writer = AsyncCheckpointWriter(
-            self._storage, 0, self._faults,
+            self._storage, 0, self._faults, before_commit=self._lease.check,
             on_durable=lambda step, t: self._record(EventKind.DURABLE, t=t, step=step))
 
     def _save(self) -> None:
