@@ -149,7 +149,7 @@ def train_fn(config: dict[str, Any]) -> None:
                     metrics_log({**metrics, "samples_per_second": throughput}, step)
                     print(f"step {step}/{total_steps} epoch {epoch} | {throughput:.0f} samples/s | loss "
                           f"{metrics['loss']:.3f} | train acc {metrics['train_accuracy']:.3f} | checkpoints "
-                          f"committed {ckpt.checkpoints_committed} | failed saves {ckpt.failed_saves} | "
+                          f"committed {ckpt.checkpoints_committed} | failed saves {ckpt.outcomes.failed} | "
                           f"restarts {restarts}", flush=True)
             if seen and (rank == 0 or config["parallelism"] == "fsdp"):  # FSDP2: every rank takes part
                 metrics["val_accuracy"] = evaluate(model.module if hasattr(model, "module") else model, val_volume,

@@ -7,7 +7,9 @@ import os
 import signal
 import threading
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.fs as pafs
 import pytest
@@ -201,12 +203,39 @@ def committed_files(run_dir: Path) -> dict[str, tuple[str, int]]:
             for f in Path(c.path).iterdir()}
 
 
-def fit_in_background(config: dict, storage: Path, name: str) -> tuple[threading.Thread, dict]:
-    """A 2-replica survivor run in a thread; its result lands in the dict."""
-    outcome: dict = {}
-    run = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, name, workers=2)))
-    run.start()
-    return run, outcome
+@dataclass
+class HeldRun:
+    """A 2-replica survivor run in a thread, its replicas stopped after step ``hold_at`` until released."""
+
+    record: Path
+    storage: Path
+    released: Path
+    thread: threading.Thread
+    outcome: dict
+
+    @classmethod
+    def start(cls, tmp_path: Path, name: str, hold_at: int, **loop) -> "HeldRun":
+        """Start it; returns once the replicas trained step ``hold_at``."""
+        record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
+        record.mkdir()
+        config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": hold_at, "until": str(released)}],
+                  **loop}
+        outcome: dict = {}
+        thread = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, name, workers=2)))
+        thread.start()
+        held = cls(record, storage / name, released, thread, outcome)
+        try:
+            wait_until(lambda: newest_step(record) >= hold_at, timeout=300, what=f"step {hold_at}")
+        except TimeoutError:
+            held.release()
+            raise
+        return held
+
+    def release(self) -> Any:
+        """Let the replicas go on; the run's result once it ended (None if not within 600 s)."""
+        self.released.touch()
+        self.thread.join(timeout=600)
+        return self.outcome.get("result")
 
 
 def assert_resumed_from_storage_and_ended_like_the_reference(record: Path, storage: Path, committed: dict,
@@ -228,24 +257,18 @@ def test_the_only_replica_with_state_killed_while_copying_it_leaves_the_others_t
     """Replica 1 dies after step 12; replica 0, alone, copies its state to 1's replacement and is
     killed in the middle of the copy (a fault of the copy). The replacement holds no state: it must
     not train on from step 0 under the run's first attempt number (writing over its checkpoints)."""
-    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
-    record.mkdir()
-    config = {**SURVIVOR_JOB, "record_dir": str(record), "faults": "kill:step=12:rank=1;kill:copy=12:rank=0",
-              # Replica 0 stops after step 15 until the replacement started, so that it copies.
-              "wait_at": [{"step": 15, "until": str(released)}]}
-    run, outcome = fit_in_background(config, storage, "copy")
+    # Replica 0 stops after step 15 until the replacement started, so that it copies.
+    held = HeldRun.start(tmp_path, "copy", 15, faults="kill:step=12:rank=1;kill:copy=12:rank=0")
     try:
-        wait_until(lambda: newest_step(record) >= 15, timeout=300, what="step 15")
-        killed = pid_of(record, 1)
-        wait_until(lambda: pid_of(record, 1, not_pid=killed), timeout=300, what="replica 1's replacement")
-        replacement = pid_of(record, 1, not_pid=killed)
-        committed = committed_files(storage / "copy")
+        killed = pid_of(held.record, 1)
+        wait_until(lambda: pid_of(held.record, 1, not_pid=killed), timeout=300, what="replica 1's replacement")
+        replacement = pid_of(held.record, 1, not_pid=killed)
+        committed = committed_files(held.storage)
     finally:
-        released.touch()
-        run.join(timeout=600)
-    assert not run.is_alive() and outcome["result"].error is None
-    assert "kill-copy-12-rank0" in {p.name for p in (storage / "copy" / ".faults").iterdir()}
-    assert_resumed_from_storage_and_ended_like_the_reference(record, storage / "copy", committed, replacement,
+        result = held.release()
+    assert result is not None and result.error is None
+    assert "kill-copy-12-rank0" in {p.name for p in (held.storage / ".faults").iterdir()}
+    assert_resumed_from_storage_and_ended_like_the_reference(held.record, held.storage, committed, replacement,
                                                              uninterrupted)
 
 
@@ -254,23 +277,18 @@ def test_the_last_replica_with_state_lost_while_a_replacement_waits_leaves_it_to
     """Replica 1 is killed while replica 0 stands after step 15; its replacement waits to be taken
     in at a step boundary; then replica 0 is killed too (another of Ray's health-check polls).
     Nobody would ever take the replacement in: it must not wait forever."""
-    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
-    record.mkdir()
-    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 15, "until": str(released)}]}
-    run, outcome = fit_in_background(config, storage, "waiting")
+    held = HeldRun.start(tmp_path, "waiting", 15)
     try:
-        wait_until(lambda: newest_step(record) >= 15, timeout=300, what="step 15")
-        first = {replica: pid_of(record, replica) for replica in range(2)}
+        first = {replica: pid_of(held.record, replica) for replica in range(2)}
         os.kill(first[1], signal.SIGKILL)
-        wait_until(lambda: pid_of(record, 1, not_pid=first[1]), timeout=300, what="replica 1's replacement")
-        replacement = pid_of(record, 1, not_pid=first[1])
-        committed = committed_files(storage / "waiting")
+        wait_until(lambda: pid_of(held.record, 1, not_pid=first[1]), timeout=300, what="replica 1's replacement")
+        replacement = pid_of(held.record, 1, not_pid=first[1])
+        committed = committed_files(held.storage)
         os.kill(first[0], signal.SIGKILL)
     finally:
-        released.touch()
-        run.join(timeout=600)
-    assert not run.is_alive() and outcome["result"].error is None
-    assert_resumed_from_storage_and_ended_like_the_reference(record, storage / "waiting", committed, replacement,
+        result = held.release()
+    assert result is not None and result.error is None
+    assert_resumed_from_storage_and_ended_like_the_reference(held.record, held.storage, committed, replacement,
                                                              uninterrupted)
 
 
@@ -291,24 +309,38 @@ def test_a_second_run_of_a_survivor_runs_name_is_refused_survivor_or_checkpointe
 
     from ray_resilient import RunLeaseHeldError
 
-    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
-    record.mkdir()
-    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 12, "until": str(released)}]}
-    run, outcome = fit_in_background(config, storage, "leased")
+    held = HeldRun.start(tmp_path, "leased", 12)
     try:
-        wait_until(lambda: newest_step(record) >= 12, timeout=300, what="step 12")
         other = {**SURVIVOR_JOB, "record_dir": str(tmp_path / "other")}
         (tmp_path / "other").mkdir()
-        refused = fit_survivors_refused(other, storage, "leased")
+        refused = fit_survivors_refused(other, held.storage.parent, "leased")
         assert isinstance(refused, RunLeaseHeldError) and "is in use by Ray Train run" in str(refused)
         with pytest.raises(TrainingFailedError, match="is in use by Ray Train run"):
-            trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"), str(storage), "leased",
-                             workers=1, max_failures=0)
+            trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"),
+                             str(held.storage.parent), "leased", workers=1, max_failures=0)
         assert newest_step(tmp_path / "other") == 0  # refused before its first step
     finally:
-        released.touch()
-        run.join(timeout=600)
-    assert not run.is_alive() and outcome["result"].error is None
-    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "leased"))
+        result = held.release()
+    assert result is not None and result.error is None
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(held.storage))
     assert [c.step for c in checkpoints if c.complete] == [10, 20, 30, 40, 50, 60]
+    trainlib.assert_same_weights(trainlib.final_weights(held.record), trainlib.final_weights(uninterrupted / "rec"))
+
+
+def test_failed_saves_escalate_in_survivor_mode_and_a_failed_final_save_is_made_again(uninterrupted, tmp_path):
+    """The lead's saves 10, 20 and 30 fail: at the third in a row it stops (another replica takes
+    over as the lead, as a restart would in the mainline). The new lead's final save fails once:
+    it is made again from memory, and the run ends with its final checkpoint durable."""
+    record, storage = tmp_path / "rec", tmp_path / "storage"
+    record.mkdir()
+    faults = ";".join(f"fail_write:upload={step}:rank=0" for step in (10, 20, 30)) + ";fail_write:upload=60:rank=1"
+    result = fit_survivors({**SURVIVOR_JOB, "record_dir": str(record), "faults": faults}, storage, "saves", workers=2)
+    assert result.error is None
+    first_lead = records_of(record, kind="start", rank=0)[0]["pid"]
+    steps_of_first_lead = [r["step"] for r in records_of(record, kind="step", pid=first_lead)]
+    assert 30 <= steps_of_first_lead[-1] < 40 and not records_of(record, kind="finished", pid=first_lead)
+    run_dir = storage / "saves"
+    assert "fail_write-upload-60-rank1" in {p.name for p in (run_dir / ".faults").iterdir()}
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
+    assert [(c.step, c.attempt) for c in checkpoints if c.complete] == [(40, 0), (50, 0), (60, 0)]
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))

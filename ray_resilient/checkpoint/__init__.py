@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 from ray_resilient._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
-    from ray_resilient.checkpoint.checkpointer import Checkpointer, CheckpointSaveError
+    from ray_resilient.checkpoint.checkpointer import Checkpointer
     from ray_resilient.checkpoint.errors import UnrecoverableRunError
     from ray_resilient.checkpoint.layout import CheckpointDir, is_complete, list_checkpoints
     from ray_resilient.checkpoint.lease import RunLeaseHeldError, RunLeaseLostError
     from ray_resilient.checkpoint.restore import IncompatibleCheckpointError, NoLoadableCheckpointError
+    from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError
     from ray_resilient.checkpoint.save_policy import SavePolicy
     from ray_resilient.checkpoint.state import ReshardableStateful, TrainState
     from ray_resilient.checkpoint.storage import CheckpointStorage
@@ -27,7 +28,7 @@ _EXPORTS = {
     "RunLeaseHeldError": "lease",
     "RunLeaseLostError": "lease",
     "Checkpointer": "checkpointer",
-    "CheckpointSaveError": "checkpointer",
+    "CheckpointSaveError": "save_outcomes",
     "IncompatibleCheckpointError": "restore",
     "NoLoadableCheckpointError": "restore",
     "SavePolicy": "save_policy",

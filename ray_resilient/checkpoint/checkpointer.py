@@ -40,6 +40,7 @@ from ray_resilient.checkpoint.hooks import AttemptHook, DataWaitSource
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
 from ray_resilient.checkpoint.lease import RunLease, RunLeaseHeldError
 from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.save_outcomes import SaveOutcomes
 from ray_resilient.checkpoint.save_policy import SavePolicy
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
@@ -60,10 +61,6 @@ class _InFlight:
     metrics: dict[str, Any]
     stall_seconds: float
     stall_phases: dict[str, float]
-
-
-class CheckpointSaveError(RuntimeError):
-    """The final checkpoint, or too many saves in a row, could not be made durable."""
 
 
 def _already_durable(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
@@ -149,13 +146,11 @@ class Checkpointer:
         goodput_log_every: int = 50,
         attempt_hooks: Sequence[AttemptHook] = (),
     ):
-        if max_failed_saves_in_a_row < 1:
-            raise ValueError(f"max_failed_saves_in_a_row must be >= 1, got {max_failed_saves_in_a_row}")
+        self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
         self.policy = SavePolicy(interval_steps, mtbf_s=mtbf_s, preemption_check_steps=preemption_check_steps)
         self.components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
         # Checked once here, not at every step (a protocol isinstance inspects the object).
         self._data_wait = data if isinstance(data, DataWaitSource) else None
-        self.max_failed_saves_in_a_row = max_failed_saves_in_a_row
         self._hooks = [*attempt_hooks, *([SpareWorkerRequest()] if spares_enabled() else [])]
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
@@ -182,8 +177,6 @@ class Checkpointer:
         self._last_saved_step: int | None = None
         self._first_step_done = False
         self._phases: dict[str, float] = {}  # the current save's stall, by phase
-        self.failed_saves = 0  # saves that did not become durable
-        self._failed_in_a_row = 0
         self.deferred_saves = 0  # due saves that waited for a staging buffer set (writes slower than the interval)
         self.checkpoints_committed = 0  # saves of this attempt every rank made durable
         self.saves_started = 0  # saves of this attempt staged (the loop stalled for each)
@@ -318,11 +311,7 @@ class Checkpointer:
             result = results[-1] if results else None
         else:
             result = self._checkpoint({**metrics, **self.goodput.metrics()}, wait=True)
-        if result is None or not result.ok:
-            raise CheckpointSaveError(
-                f"the final checkpoint at step {self.train_state.step} failed: "
-                f"{result.error if result else 'no result'}; the newest complete checkpoint is kept"
-            )
+        SaveOutcomes.final(result, self.train_state.step)
         self.goodput.finished(self.train_state.step)
         return result
 
@@ -400,30 +389,19 @@ class Checkpointer:
             result = results[index] = dataclasses.replace(result, stall_seconds=started.stall_seconds,
                                                           stall_phases=started.stall_phases)
             self.recent_saves.append(result)
+            if not result.ok and self._last_saved_step == result.step:
+                self._last_saved_step = None
+            self.outcomes.record(result)
             if result.ok:
-                self._failed_in_a_row = 0
                 self.checkpoints_committed += 1
                 self.last_save = result
                 self._register(result.path, {
                     **started.metrics,
                     "checkpoint_stage_seconds": result.stage_seconds,
                     "checkpoint_durable_seconds": result.durable_seconds,
-                    "checkpoint_failed_saves": self.failed_saves,
+                    "checkpoint_failed_saves": self.outcomes.failed,
                     "checkpoint_deferred_saves": self.deferred_saves,
                 })
-            else:
-                self.failed_saves += 1
-                self._failed_in_a_row += 1
-                if self._last_saved_step == result.step:
-                    self._last_saved_step = None
-                if self._failed_in_a_row >= self.max_failed_saves_in_a_row:
-                    raise CheckpointSaveError(
-                        f"{self._failed_in_a_row} checkpoint saves in a row failed (the last, at step {result.step}: "
-                        f"{result.error}); stopping this attempt rather than training on with nothing durable. "
-                        "Check the storage (space, permissions, credentials)."
-                    )
-                logger.error("Checkpoint at step %d not saved (%s); retrying at the next interval (%d failed so far)",
-                             result.step, result.error, self.failed_saves)
         return results
 
     def _register(self, path: str, metrics: Mapping[str, Any]) -> None:

@@ -104,6 +104,7 @@ class MembershipCoordinator:
         self._reports: dict[str, Report] = {}  # token -> its report, for the membership being changed
         self._joiners: dict[int, str] = {}  # replica id -> token of replacements waiting
         self._finished_step: int | None = None
+        self._final_error: str | None = None  # the lead's final save failed
 
     async def start(self) -> tuple[str, int, int]:
         """Start the store and the liveness server; their host, store port and liveness port."""
@@ -183,11 +184,23 @@ class MembershipCoordinator:
                 raise RuntimeError(f"replica {token} was dropped from membership {epoch}; it must restart")
             return self._current
 
-    async def finish(self, step: int) -> None:
-        """The run trained its last step: replacements still starting have nothing to join."""
+    async def finish(self, step: int, error: str | None) -> None:
+        """The lead trained the last step and made its final checkpoint durable (or not: ``error``):
+        replacements still starting have nothing to join."""
         async with self._changed:
-            self._finished_step = step
+            self._finished_step, self._final_error = step, error
             self._changed.notify_all()
+
+    async def wait_finished(self) -> str | None:
+        """A member past the last step waits for the lead's :meth:`finish`: its error, if any (also
+        when the lead is lost before it)."""
+        async with self._changed:
+            lead = self._current.lead
+            token = self._tokens.get(lead)
+            await self._changed.wait_for(lambda: self._finished_step is not None or token not in self._connected)
+            if self._finished_step is None:
+                return f"the lead replica {lead} was lost before its final checkpoint was durable"
+            return self._final_error
 
     def _all_reported(self) -> bool:
         return all(token in self._reports or token not in self._connected for token in self._tokens.values())
@@ -218,6 +231,8 @@ class MembershipCoordinator:
         self._changed.notify_all()
 
     def _finished_membership(self) -> Membership:
+        if self._final_error is not None:
+            raise RuntimeError(f"the run ended without its final checkpoint: {self._final_error}")
         old = self._current
         return dataclasses.replace(old, step=self._finished_step, finished=True) if old else Membership(
             0, (), self._finished_step, -1, -1, (), finished=True)

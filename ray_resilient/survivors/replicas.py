@@ -48,9 +48,10 @@ from ray_resilient._torch_internals import gloo_group, is_batch_norm
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
 from ray_resilient.checkpoint.lease import RunLease
 from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError, SaveOutcomes
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, reseed_rng
 from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
@@ -93,11 +94,14 @@ class SurvivingReplicas:
             faults fire after a step is applied, ``copy`` in a replica sending its state, the
             others in the lead's checkpoint writes.
         timeout_s: how long a collective waits for a replica that hangs without dying.
+        max_failed_saves_in_a_row: the lead raises :class:`~ray_resilient.CheckpointSaveError`
+            after this many (another replica takes over as the lead). A failed final save is
+            made again from memory; when it cannot be made durable, every replica raises.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
                  micro_batches: int, seed: int = 0, checkpoint_interval: int | None = None, faults: str = "",
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, max_failed_saves_in_a_row: int = 3):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         stateful = [name for name, module in model.named_modules()
@@ -128,6 +132,9 @@ class SurvivingReplicas:
         self._writer: AsyncCheckpointWriter | None = None
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
         self._last_saved = -1  # the step of the lead's newest save
+        self._durable_step = -1  # the step of the lead's newest durable save
+        self._deferred = False  # a save is due but both staging sets are still being written
+        self._outcomes = SaveOutcomes(max_failed_saves_in_a_row)
         self._membership: Membership | None = None
         self._group: Any = None
         self._copy_group: Any = None  # the source's and the replicas' behind it, while it copies
@@ -156,21 +163,19 @@ class SurvivingReplicas:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        failed = exc_type is not None
         try:
-            if exc_type is None and not self.finished:
-                if self.is_lead and self._last_saved != self.step:
-                    self._save()
-                if self._writer is not None:
-                    self._writer.collect()
-                self._record(EventKind.FINISH, step=self.step)
-                ray.get(self._coordinator.finish.remote(self.step))
-                self.finished = True
+            if not failed and not self.finished:
+                self._finish()
+        except BaseException:
+            failed = True
+            raise
         finally:
-            if self._writer is not None and exc_type is None:
+            if self._writer is not None and not failed:
                 self._writer.close()
             elif self._writer is not None:
                 self._writer.abandon()  # saves in flight stay partial
-            if exc_type is None:
+            if not failed:
                 self._lease.release()
             else:  # a restart of this run takes it back; if none comes, it expires
                 self._lease.stop()
@@ -219,7 +224,8 @@ class SurvivingReplicas:
             self._record(EventKind.STEP, step=self.step, t_start=started, data_wait=0.0)
             if self.is_lead:
                 self._lease.check()
-                if self.interval and self.step % self.interval == 0:
+                self._record_saves(self._writer.collect(self._writer.finished()))
+                if self._deferred or (self.interval and self.step % self.interval == 0):
                     self._save()
             if gathered[0][-1] > 0:  # a replacement is waiting: take it in at this step boundary
                 self._change_membership()
@@ -377,6 +383,7 @@ class SurvivingReplicas:
         self._record(EventKind.ATTEMPT_START, world_size=len(self._membership.members))
         loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
         self.step, self._last_saved = (loaded[1].step, loaded[1].step) if loaded is not None else (0, -1)
+        self._durable_step = self._last_saved
         self._holds_state = True
         logger.info("Replica %d restored %s (step %d) in %.3fs for replicas %s", self.replica,
                     loaded[0].path if loaded is not None else "no checkpoint", self.step, time.time() - started,
@@ -396,10 +403,52 @@ class SurvivingReplicas:
             self._storage, 0, self._faults, before_commit=self._lease.check,
             on_durable=lambda step, t: self._record(EventKind.DURABLE, t=t, step=step))
 
+    def _finish(self) -> None:
+        """The run's end: the lead's final checkpoint durable (:class:`CheckpointSaveError` if it
+        cannot be made so, on every replica), the others waiting for it."""
+        if self.is_lead:
+            try:
+                self._final_save()
+            except CheckpointSaveError as err:
+                ray.get(self._coordinator.finish.remote(self.step, str(err)))
+                raise
+            self._record(EventKind.FINISH, step=self.step)
+            ray.get(self._coordinator.finish.remote(self.step, None))
+        else:
+            error = ray.get(self._coordinator.wait_finished.remote())
+            if error is not None:
+                raise CheckpointSaveError(error)
+        self.finished = True
+
+    def _final_save(self) -> None:
+        """Save the last step (unless saved) and wait until it is durable. The state is still in
+        memory, so a failed final save is made again, until too many failed in a row
+        (:class:`CheckpointSaveError`)."""
+        self._record_saves(self._writer.collect())
+        while self._durable_step != self.step:
+            if self._last_saved != self.step:
+                self._save()
+            self._record_saves(self._writer.collect())
+
+    def _record_saves(self, results: list[SaveResult]) -> None:
+        """Count the lead's finished saves (:class:`SaveOutcomes`: too many failed in a row raise)."""
+        for result in results:
+            if result.ok:
+                self._durable_step = result.step
+            elif result.step == self._last_saved:
+                self._last_saved = self._durable_step  # saved again at the end
+            self._outcomes.record(result)
+
     def _save(self) -> None:
-        started = time.time()
+        """The lead's save of this step, deferred a step while both staging sets are being written
+        (the others would wait for it in the next all-gather)."""
         if not self._writer.can_stage:
-            self._writer.collect(1)
+            if not self._deferred:
+                logger.info("Checkpoint at step %d deferred: the previous saves are still being written", self.step)
+            self._deferred = True
+            return
+        self._deferred = False
+        started = time.time()
         state = self._components.state_to_save(TrainState(step=self.step, seed=self.seed,
                                                            interval_steps=self.interval or 0), 0)
         self._writer.save(state, self.step, checkpoint_dir_name(self.step, self._attempt))
