@@ -131,7 +131,6 @@ class SurvivingReplicas:
         self._lease = RunLease(self._storage.filesystem, self._storage.experiment_path, train_run_id())
         self._writer: AsyncCheckpointWriter | None = None
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
-        self._last_saved = -1  # the step of the lead's newest save
         self._durable_step = -1  # the step of the lead's newest durable save
         self._deferred = False  # a save is due but both staging sets are still being written
         self._outcomes = SaveOutcomes(max_failed_saves_in_a_row)
@@ -355,8 +354,7 @@ class SurvivingReplicas:
         store = dist.PrefixStore(f"membership{membership.epoch}/copy/", self._store)
         self._copy_group = gloo_group(store, copiers.index(self.replica), len(copiers), self.timeout, self._node_ip)
         if self.replica == membership.source:
-            state = {"state": self._components.shared_state(), "step": self.step, "attempt": self._attempt,
-                     "last_saved": self._last_saved}
+            state = {"state": self._components.shared_state(), "step": self.step, "attempt": self._attempt}
             sent = send_state(self._copy_group, state, self._wait,
                               before_tensors=lambda: self._faults.fire("copy", self.step))
             self._store.set(copied, "1")
@@ -364,7 +362,7 @@ class SurvivingReplicas:
             self._holds_state = False  # its own state is overwritten from here on
             received = receive_state(self._copy_group, {"state": self._components.shared_state()}, self._wait)
             self._components.load_shared_state(received["state"])
-            self.step, self._attempt, self._last_saved = received["step"], received["attempt"], received["last_saved"]
+            self.step, self._attempt = received["step"], received["attempt"]
             self._holds_state = True
             sent = 0
         self._copy_group = None
@@ -382,8 +380,8 @@ class SurvivingReplicas:
         self._attempt = plan.next_attempt
         self._record(EventKind.ATTEMPT_START, world_size=len(self._membership.members))
         loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
-        self.step, self._last_saved = (loaded[1].step, loaded[1].step) if loaded is not None else (0, -1)
-        self._durable_step = self._last_saved
+        self.step = loaded[1].step if loaded is not None else 0
+        self._durable_step = self.step if loaded is not None else -1
         self._holds_state = True
         logger.info("Replica %d restored %s (step %d) in %.3fs for replicas %s", self.replica,
                     loaded[0].path if loaded is not None else "no checkpoint", self.step, time.time() - started,
@@ -426,8 +424,7 @@ class SurvivingReplicas:
         (:class:`CheckpointSaveError`)."""
         self._record_saves(self._writer.collect())
         while self._durable_step != self.step:
-            if self._last_saved != self.step:
-                self._save()
+            self._save()  # every staging set is free: the saves in flight were collected
             self._record_saves(self._writer.collect())
 
     def _record_saves(self, results: list[SaveResult]) -> None:
@@ -435,8 +432,6 @@ class SurvivingReplicas:
         for result in results:
             if result.ok:
                 self._durable_step = result.step
-            elif result.step == self._last_saved:
-                self._last_saved = self._durable_step  # saved again at the end
             self._outcomes.record(result)
 
     def _save(self) -> None:
@@ -452,7 +447,6 @@ class SurvivingReplicas:
         state = self._components.state_to_save(TrainState(step=self.step, seed=self.seed,
                                                            interval_steps=self.interval or 0), 0)
         self._writer.save(state, self.step, checkpoint_dir_name(self.step, self._attempt))
-        self._last_saved = self.step
         self._record(EventKind.SAVE, t_start=started, step=self.step)
 
     def _record(self, kind: EventKind, **fields: Any) -> None:
