@@ -9,7 +9,7 @@ command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
 - POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
   step), ``upload`` (while writing/uploading it, after part of it is written), ``durable``
   (after it is durable, before Ray registers it), ``copy`` (survivor mode: while a replica sends
-  its state to the replicas behind it, after the size, before the state). These points fire on
+  its state to the replicas behind it, after the layout, before the tensors). These points fire on
   the first save (or copy) at or after STEP: a save due while the ones before are still being
   written is deferred a step.
 

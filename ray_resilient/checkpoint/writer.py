@@ -197,8 +197,7 @@ class AsyncCheckpointWriter:
                 logger.exception("Checkpoint at step %d failed while %s", step, phase)
                 return False
 
-        ok = self._agree(attempt("checking it is new", lambda: refuse_complete(self.storage.filesystem, path)))
-        ok = ok and self._agree(attempt("writing shards", lambda: self._write_shards(staged, step, name)))
+        ok = self._agree(attempt("writing shards", lambda: self._write_shards(staged, step, name)))
         if ok and self.storage.is_remote:
             ok = self._agree(attempt("uploading shards", lambda: self._upload_shards(step, name)))
             if ok:
@@ -216,6 +215,7 @@ class AsyncCheckpointWriter:
         return SaveResult(step, path, ok, stage_seconds, durable_seconds, None if ok else error or "another rank failed")
 
     def _write_shards(self, staged: dict[str, Any], step: int, name: str) -> None:
+        refuse_complete(self.storage.filesystem, self.storage.checkpoint_path(name))
         writer = _ShardWriter(
             self.storage.write_dir(name, self.rank),
             self.rank,

@@ -337,7 +337,7 @@ class SurvivingReplicas:
     def _raise_if_lost(self) -> None:
         if self._store.check([lost_key(self._membership.epoch)]):
             # The groups stay referenced: destroying one would wait for the abandoned collective.
-            self._abandoned += [self._group, self._copy_group]
+            self._abandoned += [group for group in (self._group, self._copy_group) if group is not None]
             raise ReplicaLostError(f"membership {self._membership.epoch} lost a replica")
 
     def _copy_state(self) -> int:

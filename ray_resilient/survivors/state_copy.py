@@ -131,7 +131,6 @@ def receive_state(group: Any, own: Any, wait: Wait) -> Any:
         raise StateLayoutError(f"a state layout that is not JSON: {err}") from err
     targets: list[torch.Tensor] = []
     placeholders(layout, own, targets)
-    received = []
     for target in targets:
         wire = target if target.device.type == "cpu" and target.is_contiguous() else torch.empty_like(
             target, device="cpu", memory_format=torch.contiguous_format)
@@ -139,5 +138,4 @@ def receive_state(group: Any, own: Any, wait: Wait) -> Any:
         if wire is not target:
             with torch.no_grad():
                 target.copy_(wire)
-        received.append(target)
-    return rebuild(layout, received)
+    return rebuild(layout, targets)
