@@ -22,7 +22,10 @@ Setup
                survivors=True)``, with 3 micro-batches of 32 (one per replica; two on one replica
                while one is missing): the survivors drop the step in flight, re-form without the
                dead replica and train the same global batch again; Ray starts a replacement that
-               copies its state from a live replica and joins.
+               copies its state from a live replica and joins. Its plan adds one SIGSTOP of a
+               replica after the last kill (``stop:step=N:rank=R``, halfway to the end, of a rank
+               other than the last killed): a hang without dying, which only the replica's silence
+               shows (its heartbeats stop); Ray replaces it after its worker health-check timeout.
 
 Measurement (survivor mode)
     Every process records each committed step (its time, the membership, the micro-batches it
@@ -34,11 +37,11 @@ Measurement (survivor mode)
     Samples (``kept_samples`` against ``planned_samples``): a step counts with the micro-batches
     of the membership that went on from it (the survivors, and the dead replica if it committed
     the step before dying); a sample of the plan kept zero times is ``lost``, kept more than once
-    ``repeated``.
+    ``repeated``. ``hang_pause`` = the pause for the stopped replica, measured the same way.
 
 The last line::
 
-    survivor_pause_seconds=<median> restart_seconds=<median, whole-group mode> recomputed_steps=<survivor mode, total> lost_samples=<n> repeated_samples=<n>
+    survivor_pause_seconds=<median> restart_seconds=<median, whole-group mode> recomputed_steps=<survivor mode, total> lost_samples=<n> repeated_samples=<n> hang_pause_seconds=<s>
 
 Results: ``docs/benchmarks.md``. Run: ``python benchmarks/survivor_recovery.py`` (about 8 minutes).
 """
@@ -46,8 +49,11 @@ Results: ``docs/benchmarks.md``. Run: ``python benchmarks/survivor_recovery.py``
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import random
 import time
 
+from ray_resilient import parse_faults
 from ray_resilient.testing import (
     ChaosJob,
     Pause,
@@ -87,16 +93,25 @@ def run_restarting(args: argparse.Namespace, job: ChaosJob) -> tuple[float, int]
     return finite_median([r["recovery"] for r in rows]), sum(r["recomputed"] for r in rows)
 
 
-def run_survivors(args: argparse.Namespace, job: ChaosJob) -> tuple[list[Pause], float, int, int, int]:
-    """The survivor-mode run on a fresh cluster: (pauses, median step, steps dropped, lost samples,
-    repeated samples)."""
+def with_a_stop(job: ChaosJob, seed: int) -> ChaosJob:
+    """``job`` with a SIGSTOP of a replica halfway from its last kill to its end (not of the
+    replica killed last, whose replacement may still be joining)."""
+    last = parse_faults(job.faults)[-1]
+    rank = random.Random(seed).choice([r for r in range(MICRO_BATCHES) if r != last.rank])
+    return dataclasses.replace(job, faults=f"{job.faults};stop:step={(last.step + job.max_steps) // 2}:rank={rank}")
+
+
+def run_survivors(args: argparse.Namespace, job: ChaosJob) -> tuple[list[Pause], Pause, float, int, int, int]:
+    """The survivor-mode run on a fresh cluster: (pauses per kill, the pause for the stopped
+    replica, median step, steps dropped, lost samples, repeated samples)."""
     with (experiment_dir("survivor-recovery-", args.keep) as root,
           chaos_cluster(root, args.node_cpus) as cluster):
-        fit = fit_on(cluster, root, "survivors", train_survivors, job, workers=MICRO_BATCHES, max_failures=args.kills,
-                     timeout=args.timeout, survivors=True)
+        fit = fit_on(cluster, root, "survivors", train_survivors, job, workers=MICRO_BATCHES,
+                     max_failures=args.kills + 1, timeout=args.timeout, survivors=True)  # the stop too
         records = fit.records()
         repeated, lost = sample_errors(kept_samples(records), planned_samples(job))
-        return (survivor_pauses(records, kill_moments(records, job.faults)), median_step_seconds(records),
+        stop, = survivor_pauses(records, kill_moments(records, job.faults, action="stop"))
+        return (survivor_pauses(records, kill_moments(records, job.faults)), stop, median_step_seconds(records),
                 discarded_steps(fit.run_dir), lost, repeated)
 
 
@@ -125,7 +140,7 @@ def main() -> None:
 
     print("\n=== survivor mode ===")
     started = time.time()
-    pauses, usual, recomputed, lost, repeated = run_survivors(args, job)
+    pauses, stop, usual, recomputed, lost, repeated = run_survivors(args, with_a_stop(job, args.seed))
     print(f"(run took {time.time() - started:.0f} s; median step {usual:.3f} s)")
     print(f"{'kill_step':>10} {'rank':>5} {'survivors':>10} {'pause':>8} {'joined_at':>10} {'join':>8}")
     for p in pauses:
@@ -135,9 +150,11 @@ def main() -> None:
     print(f"median pause {pause:.3f} s vs median whole-group recovery {restart:.3f} s "
           f"(ratio {pause / restart:.3f}); median pause when a replacement joined "
           f"{finite_median([p.join for p in pauses]):.3f} s; recomputed steps {recomputed} "
-          f"(whole-group mode: {restart_recomputed})")
+          f"(whole-group mode: {restart_recomputed}); pause for the replica stopped after step "
+          f"{stop.kill.step}: {stop.pause:.3f} s")
     print(f"survivor_pause_seconds={pause:.3f} restart_seconds={restart:.3f} "
-          f"recomputed_steps={recomputed} lost_samples={lost} repeated_samples={repeated}")
+          f"recomputed_steps={recomputed} lost_samples={lost} repeated_samples={repeated} "
+          f"hang_pause_seconds={stop.pause:.3f}")
 
 
 if __name__ == "__main__":

@@ -374,10 +374,8 @@ cmd_make_volume() {
   recorded_pid s3 >/dev/null || die "the S3 server is not running: cluster/local.sh up first"
   local env_words val_per_class=$((per_class / 4 > 10 ? per_class / 4 : 10))
   read -r -a env_words <<<"$(client_env)"
-  env "${env_words[@]}" "$PY" jobs/make_image_volume.py "s3://$BUCKET/$prefix/train" --classes "$classes" \
-    --per-class "$per_class" --size "$size" --seed "$seed"
-  env "${env_words[@]}" "$PY" jobs/make_image_volume.py "s3://$BUCKET/$prefix/val" --classes "$classes" \
-    --per-class "$val_per_class" --size "$size" --seed $((seed + 1))
+  env "${env_words[@]}" "$PY" jobs/make_image_volume.py "s3://$BUCKET/$prefix" --classes "$classes" \
+    --per-class "$per_class" --val-per-class "$val_per_class" --size "$size" --seed "$seed"
   echo "the volume: --volume s3://$BUCKET/$prefix"
 }
 

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 TRAIN_HEALTH_CHECK_INTERVAL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 TRAIN_WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 TRAIN_PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
+TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
 
 # The GCS's health checks of the raylets (Ray's C++ config; defaults: every 3 s, dead after 5
 # misses, about 15 s). These make a lost node dead after about 3 s (set on the head node).

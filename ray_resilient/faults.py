@@ -3,7 +3,8 @@
 A plan is a ``;``-separated list of ``ACTION:POINT=STEP[:rank=R][:seconds=S]``, taken from the job's
 command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
 
-- ACTION: ``kill`` (SIGKILL this worker process), ``raise`` (raise :class:`InjectedFault`),
+- ACTION: ``kill`` (SIGKILL this worker process), ``stop`` (SIGSTOP it: a hang without dying,
+  as a stuck process or a partitioned node looks; only at ``step``), ``raise`` (raise :class:`InjectedFault`),
   ``fail_write`` (make the checkpoint write fail with an ``OSError``), ``slow_write`` (storage
   slower than the interval: the write of that step's checkpoint sleeps ``seconds=S`` more).
 - POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
@@ -33,7 +34,7 @@ import pyarrow.fs as pafs
 logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "RAY_RESILIENT_FAULTS"
-ACTIONS = ("kill", "raise", "fail_write", "slow_write")
+ACTIONS = ("kill", "stop", "raise", "fail_write", "slow_write")
 POINTS = ("step", "staging", "upload", "durable", "copy")
 
 
@@ -75,6 +76,8 @@ def parse_faults(spec: str) -> list[Fault]:
             ) from err
         if fault.action not in ACTIONS or fault.point not in POINTS:
             raise ValueError(f"bad fault {entry!r}: action must be one of {ACTIONS}, point one of {POINTS}")
+        if fault.action == "stop" and fault.point != "step":
+            raise ValueError(f"bad fault {entry!r}: stop goes only with the step point")
         if (fault.action == "slow_write") != (fault.seconds > 0):
             raise ValueError(f"bad fault {entry!r}: seconds=S (> 0) goes with slow_write, and only with it")
         faults.append(fault)
@@ -125,6 +128,9 @@ class FaultInjector:
                 logger.warning("Injecting fault %s", fault.marker)
                 if fault.action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if fault.action == "stop":  # every thread stops; SIGCONT (or SIGKILL) from outside
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                    continue
                 if fault.action == "fail_write":
                     raise OSError(f"injected storage write failure ({fault.marker})")
                 if fault.action == "slow_write":

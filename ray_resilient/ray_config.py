@@ -37,6 +37,9 @@ Each choice, and why:
   - ``RAY_TRAIN_ENABLE_PRINT_PATCH=0`` (Ray: 1): Ray Train sends a worker's ``print`` to its
     logger, which writes it to stderr, and, because Ray's worker has replaced ``sys.stdout``, also
     prints it as usual: every line reached the driver twice. Off, a line is printed once.
+  - ``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S=60`` (Ray: 600): a worker that stops answering
+    the controller without dying (SIGSTOP, a hang, a partitioned node) is replaced after a minute
+    instead of ten. Raise it if a train function may hold Python's GIL longer (a long C call).
 
 - Spare workers (``spare_workers=True``): a restart replaces the whole worker group with new
   processes, each starting Ray's worker and importing torch, Ray Train and ray_resilient, most
@@ -70,6 +73,7 @@ from ray.train import (
 
 from ray_resilient._ray_internals import (
     TRAIN_HEALTH_CHECK_INTERVAL_ENV, TRAIN_PRINT_PATCH_ENV, TRAIN_WORKER_GROUP_START_TIMEOUT_ENV,
+    TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV,
 )
 from ray_resilient.checkpoint.layout import list_checkpoints
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
@@ -82,6 +86,7 @@ RECOMMENDED_ENV = {
     TRAIN_HEALTH_CHECK_INTERVAL_ENV: "0.5",
     TRAIN_WORKER_GROUP_START_TIMEOUT_ENV: "10",
     TRAIN_PRINT_PATCH_ENV: "0",
+    TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV: "60",
 }
 
 

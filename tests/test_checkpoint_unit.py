@@ -20,7 +20,7 @@ from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_new
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, own_share
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
-from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults
+from ray_resilient.faults import Fault, FaultInjector, InjectedFault, parse_faults
 
 
 @pytest.fixture
@@ -158,7 +158,8 @@ def test_fault_plan_parsing_and_fire_once(storage):
     faults = parse_faults("kill:step=7:rank=1; raise:step=3 ;fail_write:upload=10")
     assert [(f.action, f.point, f.step, f.rank) for f in faults] == [
         ("kill", "step", 7, 1), ("raise", "step", 3, 0), ("fail_write", "upload", 10, 0)]
-    for bad in ("kill", "kill:step", "explode:step=3", "kill:later=3", "kill:step=3:node=2"):
+    assert parse_faults("stop:step=5:rank=2") == [Fault("stop", "step", 5, 2)]
+    for bad in ("kill", "kill:step", "explode:step=3", "kill:later=3", "kill:step=3:node=2", "stop:upload=3"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
     injector = no_faults(storage, "raise:step=3")

@@ -134,7 +134,8 @@ def test_the_rayjob_runs_the_job_with_s3_mlflow_and_fast_failure_detection():
     assert args.volume.startswith("s3://") and args.storage_path.startswith("s3://")
     assert 1 <= args.min_workers < args.max_workers and args.use_gpu
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
-    train_env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"}
+    train_env = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
+                 "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"}
     assert train_env <= set(runtime_env["env_vars"])
     cluster = spec["rayClusterSpec"]
     assert cluster["authOptions"]["mode"] == "token"

@@ -22,7 +22,9 @@ def test_train_v2_reads_the_controller_settings_we_set():
     assert constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR == _ray_internals.TRAIN_HEALTH_CHECK_INTERVAL_ENV
     assert constants.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR == _ray_internals.TRAIN_WORKER_GROUP_START_TIMEOUT_ENV
     assert constants.ENABLE_PRINT_PATCH_ENV_VAR == _ray_internals.TRAIN_PRINT_PATCH_ENV
-    assert constants.ENABLE_PRINT_PATCH_ENV_VAR in constants.ENV_VARS_TO_PROPAGATE  # driver -> workers
+    assert constants.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR == _ray_internals.TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV
+    for name in (constants.ENABLE_PRINT_PATCH_ENV_VAR, constants.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR):
+        assert name in constants.ENV_VARS_TO_PROPAGATE  # driver -> controller and workers
 
 
 def test_the_gcs_knows_the_health_check_settings_we_set():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -172,7 +173,12 @@ def fit_survivors_in_driver(config: dict) -> dict:
     return {}
 
 
-def test_a_killed_driver_resumes_from_the_newest_complete_checkpoint(uninterrupted, ray_cluster, driver_env, tmp_path):
+def test_a_killed_driver_resumes_from_the_newest_checkpoint_that_reads_all_replicas_from_one_read(
+        uninterrupted, ray_cluster, driver_env, tmp_path):
+    """The driver is killed after step 25; checkpoint 20, the newest complete one, is damaged (a
+    shard file truncated) before the driver is started again. The replica that reads it fails,
+    falls back to checkpoint 10, and the others copy that: every replica starts from the same
+    state (no silent divergence), and the run ends bitwise like the uninterrupted one."""
     record, storage = tmp_path / "rec", tmp_path / "storage"
     record.mkdir()
     released = tmp_path / "released"
@@ -187,12 +193,17 @@ def test_a_killed_driver_resumes_from_the_newest_complete_checkpoint(uninterrupt
                what="the dead driver's workers")
     newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "survivors")) if c.complete][-1]
     assert newest.step == 20
+    shard = next(f for f in Path(newest.path).iterdir() if f.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-1])
     released.touch()
     Driver.start("test_survivors:fit_survivors_in_driver", config, env=driver_env, workdir=tmp_path,
                  name="second").wait(timeout=600)
     restarted = [r for r in records_of(record, kind="joined") if r["pid"] not in first_pids]
-    assert sorted(r["rank"] for r in restarted) == [0, 1, 2] and {r["step"] for r in restarted} == {20}
+    assert sorted(r["rank"] for r in restarted) == [0, 1, 2] and {r["step"] for r in restarted} == {10}
     assert len({r["sha"] for r in restarted}) == 1  # one replica read the checkpoint, the others copied it
+    restores = [e["step"] for e in read_events(pafs.LocalFileSystem(), str(storage / "survivors"))
+                if e["kind"] == "restore"]
+    assert restores == [0, 10]
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
 
 
@@ -290,6 +301,48 @@ def test_the_last_replica_with_state_lost_while_a_replacement_waits_leaves_it_to
     assert result is not None and result.error is None
     assert_resumed_from_storage_and_ended_like_the_reference(held.record, held.storage, committed, replacement,
                                                              uninterrupted)
+
+
+def test_a_stopped_replica_is_dropped_within_seconds_and_replaced(uninterrupted, tmp_path, monkeypatch):
+    """Replica 1 SIGSTOPped from outside while training: its sockets stay open and no FIN ever comes,
+    so only its silence tells. The survivor commits its next step within the liveness timeout plus
+    a step (not after gloo's 30 s timeout and more); Ray replaces the stopped replica after its
+    worker health-check timeout (lowered here, which shows the setting reaches Ray Train's
+    controller); the run ends bitwise like the uninterrupted one."""
+    from ray_resilient.survivors.liveness import LIVENESS_TIMEOUT_S
+
+    monkeypatch.setenv("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "8")
+    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
+    record.mkdir()
+    # The survivor stops after step 30 until the replacement started, so that it joins before the end.
+    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 30, "until": str(released)}]}
+    outcome: dict = {}
+    run = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, "stopped", workers=2)))
+    run.start()
+    stopped = 0
+    try:
+        wait_until(lambda: newest_step(record) >= 5, timeout=300, what="step 5")
+        stopped = pid_of(record, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        wait_until(lambda: pid_of(record, 1, not_pid=stopped), timeout=300, what="replica 1's replacement")
+        released.touch()
+        run.join(timeout=600)
+    finally:
+        released.touch()
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):  # Ray killed it when it replaced it
+                os.kill(stopped, signal.SIGCONT)
+        run.join()
+    assert outcome["result"].error is None
+    survivor = pid_of(record, 0)
+    times = [r["t"] for r in records_of(record, kind="step", pid=survivor) if r["step"] <= 30]
+    step_s = sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2]
+    pause = max(b - a for a, b in zip(times, times[1:]))
+    assert pause < LIVENESS_TIMEOUT_S + step_s + 2.0, pause  # 2 s: re-forming, a loaded machine
+    events = read_events(pafs.LocalFileSystem(), str(storage / "stopped"))
+    assert [e["lost"] for e in events if e["kind"] == "membership" and e["lost"]] == [[1]]
+    assert [r["step"] for r in records_of(record, kind="step", pid=survivor)] == list(range(1, 61))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
 
 
 def fit_survivors_refused(config: dict, storage: Path, name: str) -> BaseException:

@@ -132,3 +132,52 @@ def test_a_state_layout_carries_no_code_and_names_what_it_cannot_carry():
                 {"dict": [[["type", "os"], {"value": 1}]]}):
         with pytest.raises(StateLayoutError):
             placeholders(bad, None, [])
+
+
+def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_one_at_once():
+    """Real processes holding a :class:`LivenessLink`: one SIGSTOPped (its sockets stay open, no FIN
+    comes) is dropped after its silence, one SIGKILLed at once, and one alive keeps its link."""
+    import asyncio
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ray_resilient.survivors.liveness import HEARTBEAT_S, LIVENESS_TIMEOUT_S, watch_heartbeats
+
+    async def scenario() -> dict[str, tuple[str, float]]:
+        """How and when (seconds after its SIGSTOP or SIGKILL) each link ended, once the stopped one did."""
+        ended: dict[str, tuple[str, float]] = {}
+
+        async def watch(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            name, _ = (await reader.readline()).decode().split()
+            ended[name] = (await watch_heartbeats(reader), time.monotonic())
+            writer.close()
+
+        server = await asyncio.start_server(watch, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        holders = {name: subprocess.Popen([sys.executable, "-c", (
+            "import time\nfrom ray_resilient.survivors.liveness import LivenessLink\n"
+            f"link = LivenessLink('127.0.0.1', {port}, '{name}', 'token')\nprint('up', flush=True)\ntime.sleep(600)")],
+            stdout=subprocess.PIPE, text=True) for name in ("stopped", "killed", "alive")}
+        try:
+            for holder in holders.values():
+                assert await asyncio.to_thread(holder.stdout.readline) == "up\n"
+            os.kill(holders["stopped"].pid, signal.SIGSTOP)
+            holders["killed"].kill()
+            signalled = time.monotonic()
+            while "stopped" not in ended and time.monotonic() < signalled + 10 * LIVENESS_TIMEOUT_S:
+                await asyncio.sleep(0.05)
+            return {name: (how, at - signalled) for name, (how, at) in ended.items()}
+        finally:
+            for holder in holders.values():
+                holder.kill()  # SIGKILL ends a stopped process too
+                holder.wait()
+            server.close()
+
+    ended = asyncio.run(scenario())
+    assert "alive" not in ended
+    assert ended["killed"][0] == "closed its connection" and ended["killed"][1] < LIVENESS_TIMEOUT_S
+    how, after = ended["stopped"]
+    assert how.startswith("sent no heartbeat") and LIVENESS_TIMEOUT_S - HEARTBEAT_S <= after <= LIVENESS_TIMEOUT_S + 1.0

@@ -2,9 +2,12 @@
 
 One async Ray actor per worker group, owned by Ray Train's controller (created by the survivor
 backend), so it outlives any replica. It hosts the ``TCPStore`` the replicas rendezvous their
-gloo groups on, and a TCP server each replica keeps one connection to: a replica process that
-dies (SIGKILL, OOM, a lost node's kernel resetting it) closes that connection, so the coordinator
-knows who is gone at once instead of after a timeout.
+gloo groups on, and a TCP server each replica keeps one connection to, sending a heartbeat on it
+(:mod:`.liveness`). A replica process that dies (SIGKILL, OOM) closes that connection, so
+the coordinator knows at once; one that stops answering without dying (SIGSTOP, a hang that holds
+the interpreter, a lost node or a partition that sends no FIN) is dropped after
+:data:`~.liveness.LIVENESS_TIMEOUT_S` without a heartbeat, where an idle connection would wait for gloo's
+timeout and more.
 
 A *membership* (an epoch number, the replica ids in it, the step it starts from) changes when a
 replica is lost or a replacement is waiting. As soon as a member is gone, or one asks for the next
@@ -31,6 +34,8 @@ import logging
 from typing import Any
 
 import ray
+
+from ray_resilient.survivors.liveness import watch_heartbeats
 
 logger = logging.getLogger(__name__)
 
@@ -118,21 +123,21 @@ class MembershipCoordinator:
         return self._host, self._store.port, self._server.sockets[0].getsockname()[1]
 
     async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One replica's connection: its token, then nothing until the process is gone."""
+        """One replica's connection: its token, then heartbeats until the process is gone or silent."""
         line = await reader.readline()
         replica, token = line.decode().split()
         async with self._changed:
             self._connected[token] = int(replica)
             self._changed.notify_all()
-        await reader.read()  # EOF: the process closed the connection or died
-        writer.close()
+        how = await watch_heartbeats(reader)
+        writer.close()  # a silent replica that wakes up finds it was dropped
         async with self._changed:
             del self._connected[token]
             if self._current is not None and token in self._tokens.values():
                 self._store.set(lost_key(self._current.epoch), "1")
                 self._form_if_abandoned()
             self._changed.notify_all()
-        logger.info("Replica %s (%s) is gone", replica, token)
+        logger.warning("Replica %s (%s) is gone: it %s", replica, token, how)
 
     async def join(self, replica: int, token: str) -> Membership:
         """A replica process starting: the first membership, or the next one that takes it in."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -57,6 +56,7 @@ from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
 from ray_resilient.survivors.coordinator import JOINERS_KEY, Membership, lost_key
+from ray_resilient.survivors.liveness import LivenessLink
 from ray_resilient.survivors.state_copy import receive_state, send_state
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,9 @@ class SurvivingReplicas:
         faults: a fault plan (:mod:`ray_resilient.faults`; a fault's rank is the replica): ``step``
             faults fire after a step is applied, ``copy`` in a replica sending its state, the
             others in the lead's checkpoint writes.
-        timeout_s: how long a collective waits for a replica that hangs without dying.
+        timeout_s: how long a collective waits on a connection that carries nothing while every
+            replica still sends its heartbeats (a partition between two replicas); a replica that
+            stops answering altogether is dropped sooner (:mod:`.liveness`).
         max_failed_saves_in_a_row: the lead raises :class:`~ray_resilient.CheckpointSaveError`
             after this many (another replica takes over as the lead). A failed final save is
             made again from memory; when it cannot be made durable, every replica raises.
@@ -151,8 +153,7 @@ class SurvivingReplicas:
         host, store_port, live_port = ray.get(self._coordinator.start.remote())
         self._store = dist.TCPStore(host, store_port, is_master=False, timeout=self.timeout)
         self._node_ip = ray.util.get_node_ip_address()
-        self._live = socket.create_connection((host, live_port))
-        self._live.sendall(f"{self.replica} {self._token}\n".encode())
+        self._live = LivenessLink(host, live_port, self.replica, self._token)
         membership = ray.get(self._coordinator.join.remote(self.replica, self._token))
         if membership.finished:
             self.step, self.finished = membership.step, True

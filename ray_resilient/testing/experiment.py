@@ -241,14 +241,16 @@ class Kill:
     pid: int
 
 
-def kill_moments(records: Sequence[dict[str, Any]], plan: str = "") -> list[Kill]:
+def kill_moments(records: Sequence[dict[str, Any]], plan: str = "", action: str = "kill") -> list[Kill]:
     """Every kill of a run, in time order: the KILL records of timed kills, and each
     ``kill:step=N:rank=R`` of ``plan`` at the first commit of step N by rank R (it fires then,
-    once per run). RuntimeError when a planned kill never fired."""
-    kills = [Kill(r["step"], r["rank"], r["t"], r["pid"]) for r in of_kind(records, RecordKind.KILL)]
+    once per run). RuntimeError when a planned kill never fired. ``action="stop"``: the planned
+    SIGSTOPs (``stop:step=N:rank=R``) instead, and no timed kills."""
+    kills = [Kill(r["step"], r["rank"], r["t"], r["pid"]) for r in of_kind(records, RecordKind.KILL)
+             if action == "kill"]
     steps = of_kind(records, RecordKind.STEP)
     for fault in parse_faults(plan):
-        if (fault.action, fault.point) != ("kill", "step"):
+        if (fault.action, fault.point) != (action, "step"):
             continue
         killed = next((r for r in steps if r["step"] == fault.step and r["rank"] == fault.rank), None)
         if killed is None:
