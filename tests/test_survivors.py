@@ -308,14 +308,17 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced(uninterrupted,
     so only its silence tells. The survivor commits its next step within the liveness timeout plus
     a step (not after gloo's 30 s timeout and more); Ray replaces the stopped replica after its
     worker health-check timeout (lowered here, which shows the setting reaches Ray Train's
-    controller); the run ends bitwise like the uninterrupted one."""
+    controller); the run ends bitwise like the uninterrupted one. Meanwhile the lead's checkpoint
+    of step 5 takes 5 s to write: a slow write must not stall the lead's steps, nor so make another
+    replica drop one (only the stopped replica is ever lost)."""
     from ray_resilient.survivors.liveness import LIVENESS_TIMEOUT_S
 
     monkeypatch.setenv("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "8")
     record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
     record.mkdir()
     # The survivor stops after step 30 until the replacement started, so that it joins before the end.
-    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 30, "until": str(released)}]}
+    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 30, "until": str(released)}],
+              "interval": 5, "faults": "slow_write:upload=5:seconds=5"}
     outcome: dict = {}
     run = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, "stopped", workers=2)))
     run.start()
@@ -342,6 +345,8 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced(uninterrupted,
     events = read_events(pafs.LocalFileSystem(), str(storage / "stopped"))
     assert [e["lost"] for e in events if e["kind"] == "membership" and e["lost"]] == [[1]]
     assert [r["step"] for r in records_of(record, kind="step", pid=survivor)] == list(range(1, 61))
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "stopped"))
+    assert checkpoints[0].step == 5 and all(c.complete for c in checkpoints) and checkpoints[-1].step == 60
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
 
 
