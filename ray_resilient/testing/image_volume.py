@@ -9,7 +9,8 @@ The images are a pure function of the seed. Writes to any pyarrow filesystem (lo
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -68,17 +69,26 @@ def make_image_volume(
             out.write(data)
 
     with ThreadPoolExecutor(WRITERS) as pool:
-        writes = []
+        pending: deque[Future] = deque()  # at most 4 x WRITERS images held in memory
+        done = 0
+
+        def finish_oldest() -> None:
+            nonlocal done
+            pending.popleft().result()
+            done += 1
+            if progress and (done % max(total // 50, 1) == 0 or done == total):
+                bar = "#" * (30 * done // total)
+                print(f"\r[{bar:<30}] {done}/{total} images", end="", file=sys.stderr, flush=True)
+
         for label in range(classes):
             fs.create_dir(f"{root}/class_{label}_{SHAPES[label]}")
             for n in range(per_class):
                 data = encode_jpeg(make_image(label, size, rng), quality=90).numpy().tobytes()
-                writes.append(pool.submit(write, f"{root}/class_{label}_{SHAPES[label]}/{n:05d}.jpg", data))
-        for done, written in enumerate(writes, 1):
-            written.result()
-            if progress and (done % max(total // 50, 1) == 0 or done == total):
-                bar = "#" * (30 * done // total)
-                print(f"\r[{bar:<30}] {done}/{total} images", end="", file=sys.stderr, flush=True)
+                pending.append(pool.submit(write, f"{root}/class_{label}_{SHAPES[label]}/{n:05d}.jpg", data))
+                if len(pending) > 4 * WRITERS:
+                    finish_oldest()
+        while pending:
+            finish_oldest()
     if progress:
         print(file=sys.stderr)
     return total
