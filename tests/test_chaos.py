@@ -183,12 +183,33 @@ def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism,
     assert abs(mean - reference_mean) <= 0.10 * reference_mean, (mean, reference_mean)
 
 
-def test_a_driver_started_again_with_the_same_name_resumes_the_run(reference, ray_cluster, driver_env, tmp_path):
-    record, storage = tmp_path / "rec", tmp_path / "storage"
-    config = trainlib.job_config(record, step_seconds=0.2)
+def test_a_second_driver_is_refused_at_once_and_a_driver_started_again_resumes_the_run(reference, ray_cluster,
+                                                                                    driver_env, tmp_path):
+    """Drivers of one run name and storage path. While the first runs, a second stops at its first
+    restore with an error naming the first run (which holds the run directory's lease), having
+    trained and written nothing; the first trains on untouched. Then the first driver is SIGKILLed
+    mid-run; a driver started again resumes from the newest complete checkpoint, and the run ends
+    bitwise like the uninterrupted one, every global batch once."""
+    storage, record, refused_record = tmp_path / "storage", tmp_path / "rec", tmp_path / "refused"
+    refused_record.mkdir()
+    refused = tmp_path / "second-refused"
+    # The first run holds at step 6 until the second driver has been refused.
+    config = trainlib.job_config(record, step_seconds=0.2, holds=[{"world_size": 2, "at_step": 6, "until": str(refused)}])
     first = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "first")
+    wait_until(lambda: first.running() and _steps_recorded(record, 0) >= 6, timeout=300,
+               what="the first driver's run to train 6 steps")
+    second = _driver(ray_cluster, driver_env, storage, "rerun", 2, {**config, "record_dir": str(refused_record)},
+                     tmp_path, "second")
+    with pytest.raises(DriverError):
+        second.wait(timeout=300)
+    assert first.running()
+    second_output = second.output()
+    assert "RunLeaseHeldError" in second_output and "another driver runs this run name" in second_output
+    assert trainlib.read_attempts(str(refused_record)) == []  # refused before it trained or wrote anything
+    refused.touch()
+
     wait_until(lambda: first.running() and _steps_recorded(record, 0) >= 12, timeout=300,
-               what="the first driver's run to train 12 steps")
+               what="the first driver's run to train on to step 12")
     first.kill()
     # Ray stops a dead driver's actors; the run must not go on writing behind the new driver's back.
     old_workers = [a["pid"] for rank in (0, 1) for a in trainlib.read_attempts(str(record), rank)]
@@ -196,43 +217,14 @@ def test_a_driver_started_again_with_the_same_name_resumes_the_run(reference, ra
                what="the dead driver's workers to stop")
     newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "rerun")) if c.complete][-1]
     assert newest.step >= 5
-    second = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "second")
-    second.wait(timeout=600)
+    again = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "again")
+    final = again.wait(timeout=600)["checkpoint"]
     attempts = trainlib.read_attempts(str(record))
     assert [a["restored_step"] for a in attempts] == [0, newest.step]
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
     assert trainlib.kept_global_batches(str(record)) == trainlib.kept_global_batches(str(reference["record"]))
-
-
-def test_a_second_driver_of_the_same_run_is_refused_at_once_and_the_first_run_loses_nothing(ray_cluster, driver_env,
-                                                                                              tmp_path):
-    """Two drivers with one run name and storage path: the second stops at its first restore with
-    an error naming the first run (which holds the run directory's lease); the first trains on
-    untouched, every global batch once, its final checkpoint complete."""
-    storage, first_record, second_record = tmp_path / "storage", tmp_path / "first", tmp_path / "second"
-    released = tmp_path / "second-refused"
-    # 60 steps; the first run holds at step 6 until the second driver has been refused.
-    job = {"samples": 1920, "epochs": 1, "holds": [{"world_size": 2, "at_step": 6, "until": str(released)}]}
-    first = _driver(ray_cluster, driver_env, storage, "shared", 2, trainlib.job_config(first_record, **job), tmp_path,
-                    "first")
-    wait_until(lambda: first.running() and _steps_recorded(first_record, 0) >= 6, timeout=300,
-               what="the first driver's run to train 6 steps")
-    second = _driver(ray_cluster, driver_env, storage, "shared", 2, trainlib.job_config(second_record, **job), tmp_path,
-                     "second")
-    with pytest.raises(DriverError):
-        second.wait(timeout=300)
-    assert first.running()
-    released.touch()
-    final = first.wait(timeout=600)["checkpoint"]
-    second_output = second.output()
-    assert "RunLeaseHeldError" in second_output and "another driver runs this run name" in second_output
-    assert trainlib.read_attempts(str(second_record)) == []  # refused before it trained or wrote anything
-    assert [a["restored_step"] for a in trainlib.read_attempts(str(first_record))] == [0]
-    kept = trainlib.kept_global_batches(str(first_record))
-    assert [kept[step] for step in sorted(kept)] == planned_global_batches(1920, trainlib.JOB["global_batch"],
-                                                                           trainlib.JOB["seed"], 1)
-    complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "shared")) if c.complete]
-    assert complete[-1].path == final and complete[-1].step == 60
+    complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "rerun")) if c.complete]
+    assert complete[-1].path == final and complete[-1].step == STEPS
 
 
 @pytest.mark.usefixtures("ray_cluster")
