@@ -303,14 +303,30 @@ def test_the_last_replica_with_state_lost_while_a_replacement_waits_leaves_it_to
                                                              uninterrupted)
 
 
-def test_a_stopped_replica_is_dropped_within_seconds_and_replaced(uninterrupted, tmp_path, monkeypatch):
+def fit_survivors_refused(config: dict, storage: Path, name: str) -> BaseException:
+    """A second driver's survivor run of the same name (another ``fit()``: another Ray Train run id)."""
+    from ray.train.torch import TorchTrainer
+
+    ray_config = recommended_ray_config(name, str(storage), workers=1, max_failures=2, survivors=True,
+                                        spare_workers=False)
+    with pytest.raises(Exception) as refused:
+        ray_config.fit(TorchTrainer(trainlib.survivor_fn, train_loop_config=config, **ray_config.trainer_kwargs()))
+    return refused.value
+
+
+def test_a_stopped_replica_is_dropped_within_seconds_and_replaced_and_a_second_run_of_the_name_is_refused(
+        uninterrupted, tmp_path, monkeypatch):
     """Replica 1 SIGSTOPped from outside while training: its sockets stay open and no FIN ever comes,
     so only its silence tells. The survivor commits its next step within the liveness timeout plus
     a step (not after gloo's 30 s timeout and more); Ray replaces the stopped replica after its
     worker health-check timeout (lowered here, which shows the setting reaches Ray Train's
-    controller); the run ends bitwise like the uninterrupted one. Meanwhile the lead's checkpoint
-    of step 5 takes 5 s to write: a slow write must not stall the lead's steps, nor so make another
-    replica drop one (only the stopped replica is ever lost)."""
+    controller). Meanwhile the lead's checkpoint of step 5 takes 5 s to write: a slow write must
+    not stall the lead's steps, nor so make another replica drop one (only the stopped replica is
+    ever lost). While the run stands after step 30, a second run of its name is refused, survivor
+    or ``Checkpointer``, before its first step. The run then ends bitwise like the uninterrupted one."""
+    from ray.train import TrainingFailedError
+
+    from ray_resilient import RunLeaseHeldError
     from ray_resilient.survivors.liveness import LIVENESS_TIMEOUT_S
 
     monkeypatch.setenv("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "8")
@@ -328,6 +344,15 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced(uninterrupted,
         stopped = pid_of(record, 1)
         os.kill(stopped, signal.SIGSTOP)
         wait_until(lambda: pid_of(record, 1, not_pid=stopped), timeout=300, what="replica 1's replacement")
+        wait_until(lambda: newest_step(record) >= 30, timeout=300, what="step 30")
+        other = tmp_path / "other"
+        other.mkdir()
+        refused = fit_survivors_refused({**SURVIVOR_JOB, "record_dir": str(other)}, storage, "stopped")
+        assert isinstance(refused, RunLeaseHeldError) and "is in use by Ray Train run" in str(refused)
+        with pytest.raises(TrainingFailedError, match="is in use by Ray Train run"):
+            trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"), str(storage),
+                             "stopped", workers=1, max_failures=0)
+        assert newest_step(other) == 0  # refused before its first step
         released.touch()
         run.join(timeout=600)
     finally:
@@ -348,41 +373,6 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced(uninterrupted,
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "stopped"))
     assert checkpoints[0].step == 5 and all(c.complete for c in checkpoints) and checkpoints[-1].step == 60
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
-
-
-def fit_survivors_refused(config: dict, storage: Path, name: str) -> BaseException:
-    """A second driver's survivor run of the same name (another ``fit()``: another Ray Train run id)."""
-    from ray.train.torch import TorchTrainer
-
-    ray_config = recommended_ray_config(name, str(storage), workers=1, max_failures=2, survivors=True,
-                                        spare_workers=False)
-    with pytest.raises(Exception) as refused:
-        ray_config.fit(TorchTrainer(trainlib.survivor_fn, train_loop_config=config, **ray_config.trainer_kwargs()))
-    return refused.value
-
-
-def test_a_second_run_of_a_survivor_runs_name_is_refused_survivor_or_checkpointer_and_the_first_loses_nothing(
-        uninterrupted, tmp_path):
-    from ray.train import TrainingFailedError
-
-    from ray_resilient import RunLeaseHeldError
-
-    held = HeldRun.start(tmp_path, "leased", 12)
-    try:
-        other = {**SURVIVOR_JOB, "record_dir": str(tmp_path / "other")}
-        (tmp_path / "other").mkdir()
-        refused = fit_survivors_refused(other, held.storage.parent, "leased")
-        assert isinstance(refused, RunLeaseHeldError) and "is in use by Ray Train run" in str(refused)
-        with pytest.raises(TrainingFailedError, match="is in use by Ray Train run"):
-            trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"),
-                             str(held.storage.parent), "leased", workers=1, max_failures=0)
-        assert newest_step(tmp_path / "other") == 0  # refused before its first step
-    finally:
-        result = held.release()
-    assert result is not None and result.error is None
-    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(held.storage))
-    assert [c.step for c in checkpoints if c.complete] == [10, 20, 30, 40, 50, 60]
-    trainlib.assert_same_weights(trainlib.final_weights(held.record), trainlib.final_weights(uninterrupted / "rec"))
 
 
 def test_failed_saves_escalate_in_survivor_mode_and_a_failed_final_save_is_made_again(uninterrupted, tmp_path):
