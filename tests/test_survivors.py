@@ -225,8 +225,8 @@ class HeldRun:
     outcome: dict
 
     @classmethod
-    def start(cls, tmp_path: Path, name: str, hold_at: int, **loop) -> "HeldRun":
-        """Start it; returns once the replicas trained step ``hold_at``."""
+    def launch(cls, tmp_path: Path, name: str, hold_at: int, **loop) -> "HeldRun":
+        """Start it; returns at once."""
         record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
         record.mkdir()
         config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": hold_at, "until": str(released)}],
@@ -234,9 +234,14 @@ class HeldRun:
         outcome: dict = {}
         thread = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, name, workers=2)))
         thread.start()
-        held = cls(record, storage / name, released, thread, outcome)
+        return cls(record, storage / name, released, thread, outcome)
+
+    @classmethod
+    def start(cls, tmp_path: Path, name: str, hold_at: int, **loop) -> "HeldRun":
+        """Start it; returns once the replicas trained step ``hold_at``."""
+        held = cls.launch(tmp_path, name, hold_at, **loop)
         try:
-            wait_until(lambda: newest_step(record) >= hold_at, timeout=300, what=f"step {hold_at}")
+            wait_until(lambda: newest_step(held.record) >= hold_at, timeout=300, what=f"step {hold_at}")
         except TimeoutError:
             held.release()
             raise
@@ -330,14 +335,9 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced_and_a_second_r
     from ray_resilient.survivors.liveness import LIVENESS_TIMEOUT_S
 
     monkeypatch.setenv("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "8")
-    record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
-    record.mkdir()
     # The survivor stops after step 30 until the replacement started, so that it joins before the end.
-    config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 30, "until": str(released)}],
-              "interval": 5, "faults": "slow_write:upload=5:seconds=5"}
-    outcome: dict = {}
-    run = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, "stopped", workers=2)))
-    run.start()
+    held = HeldRun.launch(tmp_path, "stopped", 30, interval=5, faults="slow_write:upload=5:seconds=5")
+    record, storage = held.record, held.storage
     stopped = 0
     try:
         wait_until(lambda: newest_step(record) >= 5, timeout=300, what="step 5")
@@ -347,30 +347,28 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced_and_a_second_r
         wait_until(lambda: newest_step(record) >= 30, timeout=300, what="step 30")
         other = tmp_path / "other"
         other.mkdir()
-        refused = fit_survivors_refused({**SURVIVOR_JOB, "record_dir": str(other)}, storage, "stopped")
+        refused = fit_survivors_refused({**SURVIVOR_JOB, "record_dir": str(other)}, storage.parent, "stopped")
         assert isinstance(refused, RunLeaseHeldError) and "is in use by Ray Train run" in str(refused)
         with pytest.raises(TrainingFailedError, match="is in use by Ray Train run"):
-            trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"), str(storage),
+            trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"), str(storage.parent),
                              "stopped", workers=1, max_failures=0)
         assert newest_step(other) == 0  # refused before its first step
-        released.touch()
-        run.join(timeout=600)
     finally:
-        released.touch()
+        held.released.touch()
         if stopped:
             with contextlib.suppress(ProcessLookupError):  # Ray killed it when it replaced it
                 os.kill(stopped, signal.SIGCONT)
-        run.join()
-    assert outcome["result"].error is None
+        result = held.release()
+    assert result is not None and result.error is None
     survivor = pid_of(record, 0)
     times = [r["t"] for r in records_of(record, kind="step", pid=survivor) if r["step"] <= 30]
     step_s = sorted(b - a for a, b in zip(times, times[1:]))[len(times) // 2]
     pause = max(b - a for a, b in zip(times, times[1:]))
     assert pause < LIVENESS_TIMEOUT_S + step_s + 2.0, pause  # 2 s: re-forming, a loaded machine
-    events = read_events(pafs.LocalFileSystem(), str(storage / "stopped"))
+    events = read_events(pafs.LocalFileSystem(), str(storage))
     assert [e["lost"] for e in events if e["kind"] == "membership" and e["lost"]] == [[1]]
     assert [r["step"] for r in records_of(record, kind="step", pid=survivor)] == list(range(1, 61))
-    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "stopped"))
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage))
     assert checkpoints[0].step == 5 and all(c.complete for c in checkpoints) and checkpoints[-1].step == 60
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
 

@@ -157,10 +157,11 @@ def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_
 
         server = await asyncio.start_server(watch, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
+        # Each holds its link until its stdin closes (the test's end).
         holders = {name: subprocess.Popen([sys.executable, "-c", (
-            "import time\nfrom ray_resilient.survivors.liveness import LivenessLink\n"
-            f"link = LivenessLink('127.0.0.1', {port}, '{name}', 'token')\nprint('up', flush=True)\ntime.sleep(600)")],
-            stdout=subprocess.PIPE, text=True) for name in ("stopped", "killed", "alive")}
+            "import sys\nfrom ray_resilient.survivors.liveness import LivenessLink\n"
+            f"link = LivenessLink('127.0.0.1', {port}, '{name}', 'token')\nprint('up', flush=True)\nsys.stdin.read()")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for name in ("stopped", "killed", "alive")}
         try:
             for holder in holders.values():
                 assert await asyncio.to_thread(holder.stdout.readline) == "up\n"

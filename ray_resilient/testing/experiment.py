@@ -246,8 +246,8 @@ def kill_moments(records: Sequence[dict[str, Any]], plan: str = "", action: str 
     ``kill:step=N:rank=R`` of ``plan`` at the first commit of step N by rank R (it fires then,
     once per run). RuntimeError when a planned kill never fired. ``action="stop"``: the planned
     SIGSTOPs (``stop:step=N:rank=R``) instead, and no timed kills."""
-    kills = [Kill(r["step"], r["rank"], r["t"], r["pid"]) for r in of_kind(records, RecordKind.KILL)
-             if action == "kill"]
+    timed = of_kind(records, RecordKind.KILL) if action == "kill" else []
+    kills = [Kill(r["step"], r["rank"], r["t"], r["pid"]) for r in timed]
     steps = of_kind(records, RecordKind.STEP)
     for fault in parse_faults(plan):
         if (fault.action, fault.point) != (action, "step"):
