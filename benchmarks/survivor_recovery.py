@@ -38,10 +38,12 @@ Measurement (survivor mode)
     of the membership that went on from it (the survivors, and the dead replica if it committed
     the step before dying); a sample of the plan kept zero times is ``lost``, kept more than once
     ``repeated``. ``hang_pause`` = the pause for the stopped replica, measured the same way.
+    ``registered_checkpoints`` = the lead's checkpoints Ray holds at the end
+    (``Result.best_checkpoints``; the run keeps them all).
 
 The last line::
 
-    survivor_pause_seconds=<median> restart_seconds=<median, whole-group mode> recomputed_steps=<survivor mode, total> lost_samples=<n> repeated_samples=<n> hang_pause_seconds=<s>
+    survivor_pause_seconds=<median> restart_seconds=<median, whole-group mode> recomputed_steps=<survivor mode, total> lost_samples=<n> repeated_samples=<n> hang_pause_seconds=<s> registered_checkpoints=<n>
 
 Results: ``docs/benchmarks.md``. Run: ``python benchmarks/survivor_recovery.py`` (about 8 minutes).
 """
@@ -101,9 +103,9 @@ def with_a_stop(job: ChaosJob, seed: int) -> ChaosJob:
     return dataclasses.replace(job, faults=f"{job.faults};stop:step={(last.step + job.max_steps) // 2}:rank={rank}")
 
 
-def run_survivors(args: argparse.Namespace, job: ChaosJob) -> tuple[list[Pause], Pause, float, int, int, int]:
+def run_survivors(args: argparse.Namespace, job: ChaosJob) -> tuple[list[Pause], Pause, float, int, int, int, int]:
     """The survivor-mode run on a fresh cluster: (pauses per kill, the pause for the stopped
-    replica, median step, steps dropped, lost samples, repeated samples)."""
+    replica, median step, steps dropped, lost samples, repeated samples, checkpoints registered)."""
     with (experiment_dir("survivor-recovery-", args.keep) as root,
           chaos_cluster(root, args.node_cpus) as cluster):
         fit = fit_on(cluster, root, "survivors", train_survivors, job, workers=MICRO_BATCHES,
@@ -112,7 +114,7 @@ def run_survivors(args: argparse.Namespace, job: ChaosJob) -> tuple[list[Pause],
         repeated, lost = sample_errors(kept_samples(records), planned_samples(job))
         stop, = survivor_pauses(records, kill_moments(records, job.faults, action="stop"))
         return (survivor_pauses(records, kill_moments(records, job.faults)), stop, median_step_seconds(records),
-                discarded_steps(fit.run_dir), lost, repeated)
+                discarded_steps(fit.run_dir), lost, repeated, len(fit.registered))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,7 +142,7 @@ def main() -> None:
 
     print("\n=== survivor mode ===")
     started = time.time()
-    pauses, stop, usual, recomputed, lost, repeated = run_survivors(args, with_a_stop(job, args.seed))
+    pauses, stop, usual, recomputed, lost, repeated, registered = run_survivors(args, with_a_stop(job, args.seed))
     print(f"(run took {time.time() - started:.0f} s; median step {usual:.3f} s)")
     print(f"{'kill_step':>10} {'rank':>5} {'survivors':>10} {'pause':>8} {'joined_at':>10} {'join':>8}")
     for p in pauses:
@@ -154,7 +156,7 @@ def main() -> None:
           f"{stop.kill.step}: {stop.pause:.3f} s")
     print(f"survivor_pause_seconds={pause:.3f} restart_seconds={restart:.3f} "
           f"recomputed_steps={recomputed} lost_samples={lost} repeated_samples={repeated} "
-          f"hang_pause_seconds={stop.pause:.3f}")
+          f"hang_pause_seconds={stop.pause:.3f} registered_checkpoints={registered}")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ SURVIVOR_JOB = {"seed": 11, "samples": 480, "global_batch": 48, "epochs": 6, "mi
                 "step_seconds": 0.03}
 
 
-def fit_survivors(config: dict, storage: Path, name: str, max_failures: int = 4, workers: int = 3):
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+def fit_survivors(config: dict, storage: Path, name: str, max_failures: int = 4, workers: int = 3,
+                  num_to_keep: int | None = None):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from ray_resilient.survivors import SurvivorConfig
@@ -40,7 +41,8 @@ def fit_survivors(config: dict, storage: Path, name: str, max_failures: int = 4,
     trainer = TorchTrainer(trainlib.survivor_fn, train_loop_config=config, torch_config=SurvivorConfig(),
                            scaling_config=ScalingConfig(num_workers=workers),
                            run_config=RunConfig(name=name, storage_path=str(storage),
-                                                failure_config=FailureConfig(max_failures=max_failures)))
+                                                failure_config=FailureConfig(max_failures=max_failures),
+                                                checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep)))
     return trainer.fit()
 
 
@@ -57,13 +59,32 @@ def newest_step(record_dir: Path) -> int:
     return max((r["step"] for r in records_of(record_dir, kind="step")), default=0)
 
 
+@dataclass(frozen=True)
+class SurvivorRun:
+    record: Path  # the record_dir of survivor_fn
+    run_dir: Path
+    result: Any  # ray.train.Result
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory):
+def uninterrupted(ray_cluster, tmp_path_factory) -> SurvivorRun:
+    """The survivor job uninterrupted (``num_to_keep=2``): the reference every other run must match."""
     root = tmp_path_factory.mktemp("survivors-reference")
     (root / "rec").mkdir()
-    result = fit_survivors({**SURVIVOR_JOB, "record_dir": str(root / "rec")}, root / "storage", "reference")
+    result = fit_survivors({**SURVIVOR_JOB, "record_dir": str(root / "rec")}, root / "storage", "reference",
+                           num_to_keep=2)
     assert result.error is None
-    return root
+    return SurvivorRun(root / "rec", root / "storage" / "reference", result)
+
+
+def test_the_leads_checkpoints_are_registered_with_ray_and_num_to_keep_applies(uninterrupted):
+    """Every durable checkpoint of the lead reaches Ray: Result.checkpoint is the final one, and
+    Ray's num_to_keep=2 deleted all but the newest two (a checkpoint Ray never saw it would keep)."""
+    complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(uninterrupted.run_dir)) if c.complete]
+    assert [c.step for c in complete] == [50, 60]
+    assert uninterrupted.result.checkpoint.path == complete[-1].path
+    assert [c.path for c, _ in uninterrupted.result.best_checkpoints] == [c.path for c in complete]
+    assert uninterrupted.result.metrics["step"] == 60
 
 
 def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_uninterrupted_run(
@@ -129,8 +150,8 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
     assert {len(rs[0]["members"]) for rs in by_step.values()} == {2, 3}  # degraded, then whole again
 
     # Deterministic reductions: bitwise the weights of the uninterrupted run, and its losses.
-    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
-    reference_losses = {r["step"]: r["loss"] for r in records_of(uninterrupted / "rec", kind="step")}
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
+    reference_losses = {r["step"]: r["loss"] for r in records_of(uninterrupted.record, kind="step")}
     assert {step: rs[0]["loss"] for step, rs in by_step.items()} == reference_losses
 
     # Each replacement's state equals, bitwise, a survivor's at the step it joined.
@@ -144,6 +165,7 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "survivors"))
     assert all(c.complete for c in checkpoints) and 30 not in {c.step for c in checkpoints}
     assert checkpoints[-1].step == 60
+    assert outcome["result"].checkpoint.path == checkpoints[-1].path  # registered with Ray, kills or not
     # ... in plain DCP: torch alone loads the final weights from the final checkpoint.
     final = trainlib.final_weights(record)
     loaded = {"model": {key: torch.zeros_like(value) for key, value in final.items()}}
@@ -204,7 +226,7 @@ def test_a_killed_driver_resumes_from_the_newest_checkpoint_that_reads_all_repli
     restores = [e["step"] for e in read_events(pafs.LocalFileSystem(), str(storage / "survivors"))
                 if e["kind"] == "restore"]
     assert restores == [0, 10]
-    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
 
 
 def committed_files(run_dir: Path) -> dict[str, tuple[str, int]]:
@@ -255,7 +277,7 @@ class HeldRun:
 
 
 def assert_resumed_from_storage_and_ended_like_the_reference(record: Path, storage: Path, committed: dict,
-                                                             replacement_pid: int, uninterrupted: Path) -> None:
+                                                             replacement_pid: int, uninterrupted: SurvivorRun) -> None:
     """The replacement that was left without a replica holding state read checkpoint 10 from
     storage under a new attempt number; nothing committed was written over; bitwise the reference."""
     assert [r["step"] for r in records_of(record, kind="joined", pid=replacement_pid)] == [10]
@@ -265,7 +287,7 @@ def assert_resumed_from_storage_and_ended_like_the_reference(record: Path, stora
     assert {c.attempt for c in checkpoints if c.step > 10} == {1}
     restores = [e["step"] for e in read_events(pafs.LocalFileSystem(), str(storage)) if e["kind"] == "restore"]
     assert restores == [0, 10]
-    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
 
 
 def test_the_only_replica_with_state_killed_while_copying_it_leaves_the_others_to_restore_from_storage(
@@ -370,7 +392,7 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced_and_a_second_r
     assert [r["step"] for r in records_of(record, kind="step", pid=survivor)] == list(range(1, 61))
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage))
     assert checkpoints[0].step == 5 and all(c.complete for c in checkpoints) and checkpoints[-1].step == 60
-    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
 
 
 def test_failed_saves_escalate_in_survivor_mode_and_a_failed_final_save_is_made_again(uninterrupted, tmp_path):
@@ -389,4 +411,4 @@ def test_failed_saves_escalate_in_survivor_mode_and_a_failed_final_save_is_made_
     assert "fail_write-upload-60-rank1" in {p.name for p in (run_dir / ".faults").iterdir()}
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
     assert [(c.step, c.attempt) for c in checkpoints if c.complete] == [(40, 0), (50, 0), (60, 0)]
-    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted / "rec"))
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))

@@ -1,19 +1,13 @@
 """The checkpointer: restore at the start, save on an interval, register with Ray when durable.
 
 A checkpoint goes state -> stage -> write/upload -> commit (``.metadata``) -> register with Ray
--> retention (Ray's ``CheckpointConfig.num_to_keep``).
+(:mod:`~ray_resilient.checkpoint.registration`) -> retention (Ray's ``CheckpointConfig.num_to_keep``).
 
-Why registration uses ``CheckpointUploadMode.ASYNC`` with an identity upload function, one
-interval late: a checkpoint must reach Ray only once every rank's data is durable, and a save
-that failed must not reach it at all. Reporting at save time would hand Ray an unfinished
-checkpoint, and an ASYNC ``checkpoint_upload_fn`` must return a checkpoint (anything it raises
-kills the training thread), so a failed save cannot be withdrawn. So a save is reported after it
-finished, at the next point where every rank already stops for it (the next save, a preemption
-save, ``finish()``), and only if all ranks agreed it is complete. ASYNC rather than NO_UPLOAD so
-that putting the result on Ray's size-1 result queue (drained by the controller every ~2 s)
-happens on Ray's upload thread, not in the training loop. A crash between durable and
-registered loses nothing: :meth:`Checkpointer.restore` also finds complete checkpoints
-that Ray never registered, and registers the one it resumes from.
+A save is registered one interval late: after it finished, at the next point where every rank
+already stops for it (the next save, a preemption save, ``finish()``), and only if all ranks
+agreed it is complete. A crash between durable and registered loses nothing:
+:meth:`Checkpointer.restore` also finds complete checkpoints that Ray never registered, and
+registers the one it resumes from.
 """
 
 from __future__ import annotations
@@ -29,22 +23,21 @@ from typing import Any, Iterator, Literal, Mapping
 import ray.train
 import torch
 import torch.distributed as dist
-from ray.train import Checkpoint, CheckpointUploadMode
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ray_resilient._ray_internals import train_run_id
 from ray_resilient.checkpoint.collectives import broadcast_from_rank0, smallest_on_any_rank
-from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
 from ray_resilient.checkpoint.hooks import AttemptHook, DataWaitSource
-from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
-from ray_resilient.checkpoint.lease import RunLease, RunLeaseHeldError
-from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.layout import checkpoint_dir_name
+from ray_resilient.checkpoint.lease import RunLeaseHeldError
+from ray_resilient.checkpoint.registration import register_durable
+from ray_resilient.checkpoint.restore import RestorePlan, load_newest_loadable
 from ray_resilient.checkpoint.save_outcomes import SaveOutcomes
+from ray_resilient.checkpoint.session import CheckpointSession
 from ray_resilient.checkpoint.save_policy import SavePolicy
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
+from ray_resilient.checkpoint.writer import SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
 from ray_resilient.tracking import MetricsLogger
@@ -61,10 +54,6 @@ class _InFlight:
     metrics: dict[str, Any]
     stall_seconds: float
     stall_phases: dict[str, float]
-
-
-def _already_durable(checkpoint: Checkpoint, _dir_name: str) -> Checkpoint:
-    return checkpoint
 
 
 class Checkpointer:
@@ -146,7 +135,6 @@ class Checkpointer:
         goodput_log_every: int = 50,
         attempt_hooks: Sequence[AttemptHook] = (),
     ):
-        self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
         self.policy = SavePolicy(interval_steps, mtbf_s=mtbf_s, preemption_check_steps=preemption_check_steps)
         self.components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
         # Checked once here, not at every step (a protocol isinstance inspects the object).
@@ -161,10 +149,12 @@ class Checkpointer:
         self.goodput = GoodputRecorder(self.storage, self.rank, self.world_size, log_every=goodput_log_every,
                                        metrics_logger=goodput_logger)
         # Rank 0 holds the run directory's lease (one writer per run) from restore() to close().
-        self._lease = RunLease(self.storage.filesystem, self.storage.experiment_path, train_run_id())
-        self._writer = AsyncCheckpointWriter(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
-                                             write_threads=write_threads, before_commit=self._lease.check,
-                                             on_durable=self.goodput.durable)
+        self._session = CheckpointSession(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
+                                          write_threads=write_threads,
+                                          max_failed_saves_in_a_row=max_failed_saves_in_a_row,
+                                          on_durable=self.goodput.durable)
+        self._writer = self._session.writer
+        self.outcomes = self._session.outcomes
         # The training thread's own collectives (which saves finished, the auto interval): the
         # writer's group is busy on its thread, and the training group may be NCCL.
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
@@ -172,17 +162,20 @@ class Checkpointer:
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt: int | None = None  # this attempt's number, known once restore() ran
         self._in_flight: deque[_InFlight] = deque()
-        self._deferred = False  # a due save is waiting for a free set of staging buffers
         self._last_metrics: dict[str, Any] = {}  # the last step's, reported with the final checkpoint
         self._last_saved_step: int | None = None
         self._first_step_done = False
         self._phases: dict[str, float] = {}  # the current save's stall, by phase
-        self.deferred_saves = 0  # due saves that waited for a staging buffer set (writes slower than the interval)
         self.checkpoints_committed = 0  # saves of this attempt every rank made durable
         self.saves_started = 0  # saves of this attempt staged (the loop stalled for each)
         self.last_stall_seconds = 0.0  # how long the loop stopped for the last save
         self.last_save: SaveResult | None = None  # the newest save every rank made durable
         self.recent_saves: deque[SaveResult] = deque(maxlen=RECENT_SAVES)  # finished saves, durable or not
+
+    @property
+    def deferred_saves(self) -> int:
+        """Due saves that waited for a staging buffer set (writes slower than the interval)."""
+        return self._session.deferred_saves
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -194,11 +187,7 @@ class Checkpointer:
             # Failing: registering would be a barrier the other ranks never reach; the
             # worker group is about to restart from the newest complete checkpoint anyway.
             self.goodput.failure(exc)
-            self._writer.abandon()
-            if isinstance(exc, UnrecoverableRunError):  # the run ends here: free its directory now
-                self._lease.release()
-            else:  # a restart of this run takes the lease back; if none comes, it expires
-                self._lease.stop()
+            self._session.close(exc)
             self.goodput.close()
 
     # --- restore ---------------------------------------------------------------------------
@@ -221,9 +210,7 @@ class Checkpointer:
         plan: RestorePlan | RunLeaseHeldError | None = None
         if self.rank == 0:
             try:
-                self._lease.acquire()
-                plan = find_complete_checkpoints(self.storage, registered_path)
-                delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
+                plan = self._session.open(registered_path)
             except RunLeaseHeldError as err:
                 plan = err
         plan = broadcast_from_rank0(group, plan)
@@ -268,7 +255,7 @@ class Checkpointer:
         if self._attempt is None:
             raise RuntimeError("call Checkpointer.restore() before the first step: it takes the run's lease "
                                "and numbers this attempt's checkpoints, so that no earlier checkpoint is overwritten")
-        self._lease.check()
+        self._session.lease.check()
         ended = time.time()
         state = self.train_state
         state.step += 1
@@ -283,9 +270,9 @@ class Checkpointer:
             self._first_step_done = True
             for hook in self._hooks:
                 hook.first_step()
-        if self._deferred or self.policy.due(state.step):
+        if self._session.deferred or self.policy.due(state.step):
             self._checkpoint(metrics or {})
-            if not self._deferred:
+            if not self._session.deferred:
                 durable = self.last_save.durable_seconds if self.last_save is not None else 0.0
                 self.policy.saved(state.step, self.last_stall_seconds, durable, self._control)
         elif self.policy.preemption_imminent(state.step):
@@ -318,8 +305,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the saves in flight (registering them), then release the writer's resources."""
         self._collect_saves(wait=True)
-        self._writer.close()
-        self._lease.release()
+        self._session.close()
         if self._control is not None:
             dist.destroy_process_group(self._control)
             self._control = None
@@ -348,15 +334,9 @@ class Checkpointer:
         self._phases = {}
         with self._phase("collect finished saves"):
             self._collect_saves(wait=wait)
-        if not self._writer.can_stage:
-            if not self._deferred:
-                self.deferred_saves += 1
-                logger.info("Checkpoint at step %d deferred: the previous saves are still being written",
-                            self.train_state.step)
-            self._deferred = True
-            return None
-        self._deferred = False
         step = self.train_state.step
+        if not self._session.may_save(step):
+            return None
         self.train_state.interval_steps = self.policy.interval_steps
         with self._phase("build state dict"):
             state = self.components.state_to_save(self.train_state, self.rank)
@@ -406,16 +386,5 @@ class Checkpointer:
 
     def _register(self, path: str, metrics: Mapping[str, Any]) -> None:
         with self._phase("register with Ray"):
-            self._report(path, metrics)
-
-    def _report(self, path: str, metrics: Mapping[str, Any]) -> None:
-        self.goodput.registered(metrics["step"])
-        checkpoint = Checkpoint(path, filesystem=self.storage.filesystem)
-        ray.train.report(
-            dict(metrics),
-            checkpoint=checkpoint,
-            checkpoint_dir_name=path.rsplit("/", 1)[-1],
-            checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
-            checkpoint_upload_fn=_already_durable,
-            delete_local_checkpoint_after_upload=False,
-        )
+            self.goodput.registered(metrics["step"])
+            register_durable(metrics, path, self.storage.filesystem)

@@ -4,7 +4,7 @@ A save stages the state into a free set of host buffers (:class:`~ray_resilient.
 and returns; one background thread writes the staged sets in save order. With two sets (the
 default) the next save stages while the previous one is still being written, so the loop does
 not wait for storage; only when every set is still being written can a save not start (the
-checkpointer then defers it, see :class:`~ray_resilient.checkpoint.checkpointer.Checkpointer`).
+session then defers it, see :class:`~ray_resilient.checkpoint.session.CheckpointSession`).
 A set is never staged into while its write is in flight: that would silently corrupt the
 checkpoint being written. Host memory: ``staging_buffers`` times this rank's share of the state.
 

@@ -20,8 +20,9 @@ next step boundary.
 
 The lead replica holds the run directory's lease (one driver per run, as with ``Checkpointer``:
 :mod:`ray_resilient.checkpoint.lease`) and saves plain DCP checkpoints in the background, as a
-one-rank job; they are the
-safety net for losing every replica holding state, or the driver. A worker group starts with one
+one-rank job; they are the safety net for losing every replica holding state, or the driver.
+Once durable, they are registered with Ray (:mod:`.registrations`: ``Result.checkpoint``,
+``get_checkpoint()``, ``CheckpointConfig.num_to_keep``) at the next step every replica trains. A worker group starts with one
 replica restoring the newest complete checkpoint and the others copying from it, so every replica
 starts from one read; a membership left without a replica holding state starts the same way.
 """
@@ -34,6 +35,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -42,21 +44,21 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from ray_resilient._ray_internals import train_run_id
 from ray_resilient._torch_internals import gloo_group, is_batch_norm
-from ray_resilient.checkpoint.layout import checkpoint_dir_name, delete_partial_checkpoints
-from ray_resilient.checkpoint.lease import RunLease
-from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
-from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError, SaveOutcomes
+from ray_resilient.checkpoint.layout import checkpoint_dir_name, parse_checkpoint_dir_name
+from ray_resilient.checkpoint.restore import RestorePlan, load_newest_loadable
+from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError
+from ray_resilient.checkpoint.session import CheckpointSession
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, reseed_rng
 from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
+from ray_resilient.checkpoint.writer import SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
 from ray_resilient.survivors.coordinator import JOINERS_KEY, Membership, lost_key
 from ray_resilient.survivors.liveness import LivenessLink
+from ray_resilient.survivors.registrations import Registrations
 from ray_resilient.survivors.state_copy import receive_state, send_state
 
 logger = logging.getLogger(__name__)
@@ -125,17 +127,22 @@ class SurvivingReplicas:
         self._components = TrainingComponents(model, optimizer, lr_scheduler)
         ctx = ray.train.get_context()
         self.replica = ctx.get_world_rank()
+        self._replicas = ctx.get_world_size()
         self._token = f"{self.replica}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._storage = CheckpointStorage.from_ray_context()
         self._faults = FaultInjector.from_plan(faults, self.replica, self._storage.filesystem,
                                                self._storage.experiment_path)
         self._ledger: LedgerWriter | None = None  # the lead's: it records the run's progress as its rank 0
-        self._lease = RunLease(self._storage.filesystem, self._storage.experiment_path, train_run_id())
-        self._writer: AsyncCheckpointWriter | None = None
+        # The lead's checkpoints, as a one-rank job (the others never stage, write or hold the lease).
+        self._session = CheckpointSession(self._storage, 0, self._faults,
+                                          max_failed_saves_in_a_row=max_failed_saves_in_a_row,
+                                          on_durable=lambda step, t: self._record(EventKind.DURABLE, t=t, step=step))
+        self._leading = False  # whether this replica became the lead (it stays so while it lives)
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
         self._durable_step = -1  # the step of the lead's newest durable save
-        self._deferred = False  # a save is due but both staging sets are still being written
-        self._outcomes = SaveOutcomes(max_failed_saves_in_a_row)
+        self._registered_step = _step_of(ray.train.get_checkpoint())  # the newest registered with Ray
+        self._unregistered: deque[tuple[int, str]] = deque()  # the lead's durable (step, path) Ray lacks
+        self._registrations = Registrations(self._storage.filesystem)
         self._membership: Membership | None = None
         self._group: Any = None
         self._copy_group: Any = None  # the source's and the replicas' behind it, while it copies
@@ -163,22 +170,17 @@ class SurvivingReplicas:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        failed = exc_type is not None
+        error = exc
         try:
-            if not failed and not self.finished:
+            if error is None and not self.finished:
                 self._finish()
-        except BaseException:
-            failed = True
+        except BaseException as err:
+            error = err
             raise
         finally:
-            if self._writer is not None and not failed:
-                self._writer.close()
-            elif self._writer is not None:
-                self._writer.abandon()  # saves in flight stay partial
-            if not failed:
-                self._lease.release()
-            else:  # a restart of this run takes it back; if none comes, it expires
-                self._lease.stop()
+            if error is None:
+                self._registrations.close()
+            self._session.close(error)
             if self._ledger is not None:
                 self._ledger.close()
             self._live.close()
@@ -218,14 +220,17 @@ class SurvivingReplicas:
                 self._change_membership()
                 continue
             loss = self._apply(gathered)
+            offered = int(gathered[self._membership.rank(self._membership.lead)][-2]) - 1
+            if offered >= 0:
+                self._register(offered)
             if not self._trained and spares_enabled():
                 SpareWorkerRequest().first_step()  # a warm process for the next replacement on this node
             self._trained = True
             self._record(EventKind.STEP, step=self.step, t_start=started, data_wait=0.0)
             if self.is_lead:
-                self._lease.check()
-                self._record_saves(self._writer.collect(self._writer.finished()))
-                if self._deferred or (self.interval and self.step % self.interval == 0):
+                self._session.lease.check()
+                self._record_saves(self._session.writer.collect(self._session.writer.finished()))
+                if self._session.deferred or (self.interval and self.step % self.interval == 0):
                     self._save()
             if gathered[0][-1] > 0:  # a replacement is waiting: take it in at this step boundary
                 self._change_membership()
@@ -233,11 +238,13 @@ class SurvivingReplicas:
 
     def _gradients(self, loss_of: LossOf) -> torch.Tensor:
         """This replica's rows, one per micro-batch it computes (its gradient, then its loss; slots
-        ``ceil(micro_batches / members)``, the last one zero where it has fewer); the last element
-        says whether a replacement waits (rank 0 looks)."""
+        ``ceil(micro_batches / members)``, the last one zero where it has fewer); then the step of
+        the durable checkpoint to register with Ray after this step, plus one (the lead offers its
+        oldest one Ray lacks while every replica trains; 0: none); last, whether a replacement
+        waits (rank 0 looks)."""
         rank, size = self._membership.rank(self.replica), self.world_size
         slots = -(-self.micro_batches // size)
-        mine = torch.zeros(slots * self._row + 1)
+        mine = torch.zeros(slots * self._row + 2)
         self.last_parts = tuple(range(rank, self.micro_batches, size))
         for slot, k in enumerate(self.last_parts):
             reseed_rng(self.seed, self.step, k)
@@ -251,6 +258,8 @@ class SurvivingReplicas:
                     row[offset:offset + size_] = param.grad.reshape(-1)
                 offset += size_
             row[-1] = loss.detach()
+        if self.is_lead and self._unregistered and self.world_size == self._replicas:
+            mine[-2] = 1 + self._unregistered[0][0]
         if rank == 0 and self._store.check([JOINERS_KEY]):
             mine[-1] = 1.0
         return mine
@@ -323,8 +332,8 @@ class SurvivingReplicas:
             self._record(EventKind.MEMBERSHIP, step=self.step, world_size=len(membership.members),
                          lost=sorted(set(previous.members) - set(membership.members)),
                          joined=sorted(set(membership.members) - set(previous.members)))
-        if self.is_lead and self._writer is None:
-            self._start_writer()
+        if self.is_lead and not self._leading:
+            self._become_lead()
 
     def _wait(self, work: Any) -> None:
         """Wait for a collective of this membership; :class:`ReplicaLostError` as soon as the
@@ -375,9 +384,7 @@ class SurvivingReplicas:
         """Resume from the newest complete checkpoint, if any (else the state this process built),
         under a new attempt number: the recomputed steps' checkpoints never take a committed name."""
         started = time.time()
-        self._hold_lease()
-        plan = find_complete_checkpoints(self._storage, None)
-        delete_partial_checkpoints(self._storage.filesystem, self._storage.experiment_path)
+        plan = self._become_lead()  # the membership's source restores and leads
         self._attempt = plan.next_attempt
         self._record(EventKind.ATTEMPT_START, world_size=len(self._membership.members))
         loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
@@ -388,67 +395,79 @@ class SurvivingReplicas:
                     loaded[0].path if loaded is not None else "no checkpoint", self.step, time.time() - started,
                     self._membership.members)
 
-    def _hold_lease(self) -> None:
-        """Take the run directory's lease (back, when a replica of this run held it): this replica
-        reads, writes and deletes checkpoints from here on. ``RunLeaseHeldError`` when another
-        driver's run holds it."""
-        if not self._lease.held:
-            self._lease.acquire()
-
-    def _start_writer(self) -> None:
-        self._hold_lease()
+    def _become_lead(self) -> RestorePlan:
+        """Take the run directory's lease (back, when a replica of this run held it;
+        ``RunLeaseHeldError`` when another driver's run holds it) and open its checkpoints: this
+        replica reads, writes and deletes them from here on. The complete ones Ray lacks (a lost
+        lead's, or the one about to be restored) are registered at the next chance."""
+        registered = ray.train.get_checkpoint()
+        plan = self._session.open(registered.path if registered is not None else None)
         self._storage.clear_local_staging()
-        self._writer = AsyncCheckpointWriter(
-            self._storage, 0, self._faults, before_commit=self._lease.check,
-            on_durable=lambda step, t: self._record(EventKind.DURABLE, t=t, step=step))
+        self._unregistered.extend((c.step, c.path) for c in reversed(plan.candidates) if c.step > self._registered_step)
+        self._leading = True
+        return plan
 
     def _finish(self) -> None:
         """The run's end: the lead's final checkpoint durable (:class:`CheckpointSaveError` if it
-        cannot be made so, on every replica), the others waiting for it."""
+        cannot be made so, on every replica), the others waiting for it; then every replica
+        registers the checkpoints Ray lacks, the final one last, if every replica is there."""
         if self.is_lead:
             try:
                 self._final_save()
             except CheckpointSaveError as err:
-                ray.get(self._coordinator.finish.remote(self.step, str(err)))
+                ray.get(self._coordinator.finish.remote(self.step, str(err), []))
                 raise
             self._record(EventKind.FINISH, step=self.step)
-            ray.get(self._coordinator.finish.remote(self.step, None))
+            to_register = [step for step, _ in self._unregistered] if self.world_size == self._replicas else []
+            if not to_register and self._unregistered:
+                logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: %d of %d "
+                               "replicas were training at the end", self.step, self.world_size, self._replicas)
+            ray.get(self._coordinator.finish.remote(self.step, None, to_register))
         else:
-            error = ray.get(self._coordinator.wait_finished.remote())
+            error, to_register = ray.get(self._coordinator.wait_finished.remote())
             if error is not None:
                 raise CheckpointSaveError(error)
+        for step in to_register:
+            self._register(step)
         self.finished = True
 
     def _final_save(self) -> None:
         """Save the last step (unless saved) and wait until it is durable. The state is still in
         memory, so a failed final save is made again, until too many failed in a row
         (:class:`CheckpointSaveError`)."""
-        self._record_saves(self._writer.collect())
+        self._record_saves(self._session.writer.collect())
         while self._durable_step != self.step:
             self._save()  # every staging set is free: the saves in flight were collected
-            self._record_saves(self._writer.collect())
+            self._record_saves(self._session.writer.collect())
 
     def _record_saves(self, results: list[SaveResult]) -> None:
-        """Count the lead's finished saves (:class:`SaveOutcomes`: too many failed in a row raise)."""
+        """Count the lead's finished saves (too many failed in a row raise :class:`CheckpointSaveError`)."""
         for result in results:
             if result.ok:
                 self._durable_step = result.step
-            self._outcomes.record(result)
+                self._unregistered.append((result.step, result.path))
+            self._session.outcomes.record(result)
 
     def _save(self) -> None:
         """The lead's save of this step, deferred a step while both staging sets are being written
         (the others would wait for it in the next all-gather)."""
-        if not self._writer.can_stage:
-            if not self._deferred:
-                logger.info("Checkpoint at step %d deferred: the previous saves are still being written", self.step)
-            self._deferred = True
+        if not self._session.may_save(self.step):
             return
-        self._deferred = False
         started = time.time()
         state = self._components.state_to_save(TrainState(step=self.step, seed=self.seed,
                                                            interval_steps=self.interval or 0), 0)
-        self._writer.save(state, self.step, checkpoint_dir_name(self.step, self._attempt))
+        self._session.writer.save(state, self.step, checkpoint_dir_name(self.step, self._attempt))
         self._record(EventKind.SAVE, t_start=started, step=self.step)
+
+    def _register(self, step: int) -> None:
+        """This replica's part of registering the lead's durable checkpoint of ``step`` with Ray
+        (every replica calls it at the same point)."""
+        path = None
+        if self.is_lead:
+            offered, path = self._unregistered.popleft()
+            assert offered == step, (offered, step)
+        self._registered_step = step
+        self._registrations.submit({"step": step}, path)
 
     def _record(self, kind: EventKind, **fields: Any) -> None:
         """A ledger event of the run's progress, recorded by the lead only."""
@@ -456,3 +475,9 @@ class SurvivingReplicas:
             if self._ledger is None:
                 self._ledger = LedgerWriter(self._storage, 0)
             self._ledger.record(kind, **fields)
+
+
+def _step_of(checkpoint: ray.train.Checkpoint | None) -> int:
+    """The step of a checkpoint registered with Ray; -1 for none (or not one of ray_resilient's)."""
+    parsed = parse_checkpoint_dir_name(checkpoint.path.rsplit("/", 1)[-1]) if checkpoint is not None else None
+    return parsed[0] if parsed is not None else -1

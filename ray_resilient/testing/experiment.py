@@ -111,6 +111,7 @@ class Fit:
     record_dir: Path
     run_dir: Path  # checkpoints and the goodput ledger
     ray_dir: Path  # the cluster's temp dir (Ray's logs)
+    registered: tuple[str, ...] = ()  # the checkpoints Ray kept registered (``Result.best_checkpoints``), oldest first
 
     def records(self) -> list[dict[str, Any]]:
         return read_records(self.record_dir)
@@ -140,12 +141,14 @@ def fit_on(cluster: LocalRayCluster, root: Path, name: str, train_fn: Callable[[
                          name=f"driver-{name}")
     if outcome["error"]:
         raise RuntimeError(f"the {name} run failed: {outcome['error']}; see {root / f'driver-{name}.log'}")
-    return Fit(name, outcome["fit_start"], outcome["fit_end"], record_dir, root / "storage" / name, cluster.temp_dir)
+    return Fit(name, outcome["fit_start"], outcome["fit_end"], record_dir, root / "storage" / name, cluster.temp_dir,
+               tuple(outcome["registered"]))
 
 
 def fit_in_driver(config: dict[str, Any]) -> dict[str, Any]:
     """The driver process of :func:`fit_on`: one ``fit()`` through ``recommended_ray_config`` (its
-    workers preload the train function's module); when it started and ended, and its error."""
+    workers preload the train function's module); when it started and ended, its error, and the
+    checkpoints Ray kept registered."""
     import ray
     from ray.train.torch import TorchTrainer
 
@@ -161,10 +164,11 @@ def fit_in_driver(config: dict[str, Any]) -> dict[str, Any]:
                                         preload=preload, survivors=config["survivors"])
     loop = {**config["loop"], "t0": time.time()}
     trainer = TorchTrainer(train_fn, train_loop_config=loop, **ray_config.trainer_kwargs())
-    outcome: dict[str, Any] = {"fit_start": loop["t0"], "error": None}
+    outcome: dict[str, Any] = {"fit_start": loop["t0"], "error": None, "registered": []}
     try:
         result = ray_config.fit(trainer)
         outcome["error"] = repr(result.error) if result.error else None
+        outcome["registered"] = [checkpoint.path for checkpoint, _ in result.best_checkpoints]
     except Exception as err:  # noqa: BLE001 - reported by the parent process
         outcome["error"] = repr(err)
     outcome["fit_end"] = time.time()

@@ -1,0 +1,89 @@
+"""One writer's checkpoint session on a run directory: what ``Checkpointer`` and survivor mode's
+lead share.
+
+- The run's lease (:mod:`~ray_resilient.checkpoint.lease`: one driver per run), taken when the
+  session opens and checked before every commit.
+- Opening: the complete checkpoints found (newest first), the partial ones older than the newest
+  complete one deleted.
+- The asynchronous writer (:class:`~ray_resilient.checkpoint.writer.AsyncCheckpointWriter`).
+- A save that comes due while every staging set is still being written is deferred, a step at a
+  time, never waited for on the training thread.
+- Finished saves counted, too many failed in a row escalated
+  (:class:`~ray_resilient.checkpoint.save_outcomes.SaveOutcomes`).
+- Closing: the saves in flight written and the lease released, or after a failure abandoned (they
+  stay partial) and the lease left for a restart to take back.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ray_resilient._ray_internals import train_run_id
+from ray_resilient.checkpoint.errors import UnrecoverableRunError
+from ray_resilient.checkpoint.layout import delete_partial_checkpoints
+from ray_resilient.checkpoint.lease import RunLease
+from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints
+from ray_resilient.checkpoint.save_outcomes import SaveOutcomes
+from ray_resilient.checkpoint.storage import CheckpointStorage
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
+from ray_resilient.faults import FaultInjector
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointSession:
+    """The checkpoints one rank (or survivor mode's lead) writes to ``storage`` (see the module docstring).
+
+    Args:
+        storage, rank, faults, staging_buffers, write_threads, on_durable: the writer's
+            (:class:`~ray_resilient.checkpoint.writer.AsyncCheckpointWriter`).
+        max_failed_saves_in_a_row: :class:`~ray_resilient.checkpoint.save_outcomes.SaveOutcomes`'.
+    """
+
+    def __init__(self, storage: CheckpointStorage, rank: int, faults: FaultInjector, *, staging_buffers: int = 2,
+                 write_threads: int = 4, max_failed_saves_in_a_row: int = 3,
+                 on_durable: Callable[[int, float], None] = lambda step, t: None):
+        self.storage = storage
+        self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
+        self.lease = RunLease(storage.filesystem, storage.experiment_path, train_run_id())
+        self.writer = AsyncCheckpointWriter(storage, rank, faults, staging_buffers=staging_buffers,
+                                            write_threads=write_threads, before_commit=self.lease.check,
+                                            on_durable=on_durable)
+        self.deferred = False  # a due save waits for a free set of staging buffers
+        self.deferred_saves = 0  # due saves that waited (writes slower than the interval)
+
+    def open(self, registered_path: str | None) -> RestorePlan:
+        """Take the run's lease (``RunLeaseHeldError`` when another driver's run holds it), find the
+        complete checkpoints (``registered_path``: Ray's, ``get_checkpoint()``) and delete the
+        partial ones older than the newest complete one. On one rank (rank 0, or the lead)."""
+        if not self.lease.held:
+            self.lease.acquire()
+        plan = find_complete_checkpoints(self.storage, registered_path)
+        delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
+        return plan
+
+    def may_save(self, step: int) -> bool:
+        """Whether a save due at ``step`` can be staged now; if not, it is deferred (counted once,
+        logged) and due again at the next step."""
+        if not self.writer.can_stage:
+            if not self.deferred:
+                self.deferred_saves += 1
+                logger.info("Checkpoint at step %d deferred: the previous saves are still being written", step)
+            self.deferred = True
+            return False
+        self.deferred = False
+        return True
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Wait for the saves in flight and release the lease; after ``error``, abandon the saves in
+        flight and leave the lease to a restart of the run (released when ``error`` ends the run)."""
+        if error is None:
+            self.writer.close()
+            self.lease.release()
+            return
+        self.writer.abandon()
+        if isinstance(error, UnrecoverableRunError):
+            self.lease.release()
+        else:  # a restart of this run takes the lease back; if none comes, it expires
+            self.lease.stop()
