@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import statistics
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -66,22 +67,50 @@ class SurvivorRun:
     result: Any  # ray.train.Result
 
 
+REFERENCE_MTBF_S = 30.0  # the reference saves at Daly's interval for it: about every 8 steps here
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, tmp_path_factory) -> SurvivorRun:
-    """The survivor job uninterrupted (``num_to_keep=2``): the reference every other run must match."""
+    """The survivor job uninterrupted: the reference every other run must match (the interval
+    does not change the training). Its lead saves at the ``"auto"`` interval, logs live goodput
+    to MLflow every 5 steps, and Ray keeps 2 checkpoints."""
     root = tmp_path_factory.mktemp("survivors-reference")
     (root / "rec").mkdir()
-    result = fit_survivors({**SURVIVOR_JOB, "record_dir": str(root / "rec")}, root / "storage", "reference",
-                           num_to_keep=2)
+    config = {**SURVIVOR_JOB, "record_dir": str(root / "rec"), "interval": "auto", "mtbf_s": REFERENCE_MTBF_S,
+              "goodput_log_every": 5}
+    result = fit_survivors(config, root / "storage", "survivor-reference", num_to_keep=2)
     assert result.error is None
-    return SurvivorRun(root / "rec", root / "storage" / "reference", result)
+    return SurvivorRun(root / "rec", root / "storage" / "survivor-reference", result)
 
 
-def test_the_leads_checkpoints_are_registered_with_ray_and_num_to_keep_applies(uninterrupted):
-    """Every durable checkpoint of the lead reaches Ray: Result.checkpoint is the final one, and
-    Ray's num_to_keep=2 deleted all but the newest two (a checkpoint Ray never saw it would keep)."""
+def test_the_lead_saves_at_dalys_interval_logs_live_goodput_and_registers_with_ray(uninterrupted):
+    """The checkpoint session of survivor mode's lead is Checkpointer's: after a first save 10 steps
+    in, each interval is Daly's for the MTBF from the measured save stall and step time; the run's
+    live goodput reaches MLflow; every durable checkpoint reaches Ray (Result.checkpoint is the
+    final one, and num_to_keep=2 deleted all but the newest two: Ray keeps what it never saw)."""
+    from mlflow.tracking import MlflowClient
+
+    from ray_resilient.goodput import interval_steps_for
+    from ray_resilient.tracking import RUN_TAG
+
+    events = read_events(pafs.LocalFileSystem(), str(uninterrupted.run_dir))
+    saves = [e for e in events if e["kind"] == "save"]
+    step_seconds = {e["step"]: e["t"] - e["t_start"] for e in events if e["kind"] == "step"}
+    assert saves[0]["step"] == 10 and saves[-1]["step"] == 60 and len(saves) >= 4
+    for save, following in zip(saves, saves[1:-1]):
+        recent = [step_seconds[s] for s in range(max(1, save["step"] - 49), save["step"] + 1)]
+        expected = interval_steps_for(REFERENCE_MTBF_S, save["t"] - save["t_start"], statistics.median(recent))
+        assert abs(following["step"] - save["step"] - expected) <= 1, (save, following, expected)
+
+    client = MlflowClient()
+    run, = client.search_runs([client.get_experiment_by_name("ray_resilient").experiment_id],
+                              f"tags.`{RUN_TAG}` = 'survivor-reference'")
+    history = client.get_metric_history(run.info.run_id, "goodput/goodput")
+    assert len(history) >= 10 and all(0 < m.value <= 1 for m in history)
+
     complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(uninterrupted.run_dir)) if c.complete]
-    assert [c.step for c in complete] == [50, 60]
+    assert [c.step for c in complete] == [s["step"] for s in saves[-2:]]
     assert uninterrupted.result.checkpoint.path == complete[-1].path
     assert [c.path for c, _ in uninterrupted.result.best_checkpoints] == [c.path for c in complete]
     assert uninterrupted.result.metrics["step"] == 60

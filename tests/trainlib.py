@@ -414,7 +414,8 @@ def survivor_fn(config: dict[str, Any]) -> None:
     lead = train_replica(model, optimizer, data, record, max_steps=data.batches_per_epoch * config["epochs"],
                          step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait,
                          lr_scheduler=scheduler, micro_batches=config["micro_batches"], seed=seed,
-                         checkpoint_interval=config.get("interval"), faults=config.get("faults", ""))
+                         checkpoint_interval=config.get("interval"), mtbf_s=config.get("mtbf_s"),
+                         goodput_log_every=config.get("goodput_log_every", 50), faults=config.get("faults", ""))
     if lead:
         torch.save({k: v.clone() for k, v in model.state_dict().items()},
                    os.path.join(config["record_dir"], "final_weights.pt"))

@@ -146,8 +146,9 @@ class Checkpointer:
         self.storage = storage or CheckpointStorage.from_ray_context()
         self.faults = FaultInjector.from_plan(faults, self.rank, self.storage.filesystem, self.storage.experiment_path)
         self.train_state = TrainState(world_size=self.world_size, seed=seed)
-        self.goodput = GoodputRecorder(self.storage, self.rank, self.world_size, log_every=goodput_log_every,
+        self.goodput = GoodputRecorder(self.storage, self.rank, log_every=goodput_log_every,
                                        metrics_logger=goodput_logger)
+        self.goodput.attempt_started(self.world_size)
         # Rank 0 holds the run directory's lease (one writer per run) from restore() to close().
         self._session = CheckpointSession(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
                                           write_threads=write_threads,

@@ -1,14 +1,17 @@
-"""What the checkpointer records into the goodput ledger, and the live goodput it logs to MLflow.
+"""What a checkpointer (or survivor mode's lead) records into the goodput ledger, and the live
+goodput it logs to MLflow.
 
 Rank 0 records the attempt, its restore, every step and save; other ranks only their failures.
-On rank 0 the breakdown is kept up to date as the loop runs: at the restore the earlier attempts'
-events are read and accounted once (the restored step says which of their steps were lost), and
-each step and save of this attempt adds to that, so live figures cost O(1) per step.
+On rank 0 the breakdown is kept up to date as the loop runs: at the restore (or when survivor
+mode's new lead takes over) the run's events so far are read and accounted once (the restored
+step says which of their steps were lost), and each step and save adds to that, so live figures
+cost O(1) per step.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections import deque
 
@@ -18,6 +21,8 @@ from ray_resilient.goodput.ledger import LedgerWriter, read_events
 from ray_resilient.storage.run import RunStorage
 from ray_resilient.tracking import BackgroundMetrics, MetricsLogger, resolve_metrics_logger
 
+logger = logging.getLogger(__name__)
+
 FINAL_METRICS_WAIT_S = 10.0  # close() waits this long for the final goodput figures to reach MLflow
 
 
@@ -26,7 +31,7 @@ class GoodputRecorder:
 
     Args:
         storage: the run's storage (the ledger lives in its run directory).
-        rank, world_size: this worker's.
+        rank: this worker's.
         log_every: steps between two calls of ``metrics_logger`` (rank 0).
         metrics_logger: ``"mlflow"``, a callable ``(goodput metrics, step)`` or None (see
             :func:`~ray_resilient.tracking.resolve_metrics_logger`); MLflow is logged to from a
@@ -34,7 +39,7 @@ class GoodputRecorder:
         window: steps of the rolling goodput.
     """
 
-    def __init__(self, storage: RunStorage, rank: int, world_size: int, *, log_every: int = 50,
+    def __init__(self, storage: RunStorage, rank: int, *, log_every: int = 50,
                  metrics_logger: MetricsLogger | str | None = "mlflow", window: int = 100):
         self.rank = rank
         self._storage = storage
@@ -45,7 +50,10 @@ class GoodputRecorder:
         self._live: Breakdown | None = None
         self._start = time.time()
         self._window: deque[tuple[float, float, float]] = deque(maxlen=window)  # (t_start, t_end, productive)
-        if rank == 0:
+
+    def attempt_started(self, world_size: int) -> None:
+        """A new attempt of the run (a worker group restoring from storage) starts now."""
+        if self.rank == 0:
             self._writer.record(EventKind.ATTEMPT_START, world_size=world_size)
 
     def restored(self, t_start: float, step: int) -> None:
@@ -53,10 +61,20 @@ class GoodputRecorder:
         if self.rank != 0:
             return
         self._writer.record(EventKind.RESTORE, t_start=t_start, step=step)
-        self._writer.flush()  # this attempt's own events count too
-        events = read_events(self._storage.filesystem, self._storage.experiment_path)
-        now = time.time()
-        self._live = account(events, now=now)
+        self.follow_run()
+
+    def follow_run(self) -> None:
+        """Account the run's events so far (this recorder's own included), then keep the figures
+        live; a ledger that cannot be read leaves this attempt without live figures, nothing more."""
+        self._writer.flush()
+        try:
+            events = read_events(self._storage.filesystem, self._storage.experiment_path)
+            now = time.time()
+            self._live = account(events, now=now)
+        except Exception:  # noqa: BLE001 - the ledger is a record; the run does not depend on it
+            logger.warning("The goodput ledger of %s cannot be read: no live goodput for this attempt",
+                           self._storage.experiment_path, exc_info=True)
+            return
         self._start = now - self._live.total
 
     def step(self, step: int, t_start: float, t_end: float, data_wait: float) -> None:
@@ -87,6 +105,12 @@ class GoodputRecorder:
     def registered(self, step: int) -> None:
         if self.rank == 0:
             self._writer.record(EventKind.REGISTERED, step=step)
+
+    def event(self, kind: EventKind, **fields) -> None:
+        """Another event of the run's progress (survivor mode's membership changes, dropped steps,
+        state copies), recorded on rank 0; the live figures catch up on it at the next restore."""
+        if self.rank == 0:
+            self._writer.record(kind, **fields)
 
     def failure(self, error: BaseException) -> None:
         self._writer.record(EventKind.FAILURE, error=f"{type(error).__name__}: {error}"[:500])

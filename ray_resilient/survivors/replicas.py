@@ -37,7 +37,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import ray
 import ray.train
@@ -45,21 +45,23 @@ import torch
 import torch.distributed as dist
 
 from ray_resilient._torch_internals import gloo_group, is_batch_norm
+from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, parse_checkpoint_dir_name
 from ray_resilient.checkpoint.restore import RestorePlan, load_newest_loadable
 from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError
+from ray_resilient.checkpoint.save_policy import SavePolicy
 from ray_resilient.checkpoint.session import CheckpointSession
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, reseed_rng
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.events import EventKind
-from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
 from ray_resilient.survivors.coordinator import JOINERS_KEY, Membership, lost_key
 from ray_resilient.survivors.liveness import LivenessLink
 from ray_resilient.survivors.registrations import Registrations
 from ray_resilient.survivors.state_copy import receive_state, send_state
+from ray_resilient.tracking import MetricsLogger, resolve_metrics_logger
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,10 @@ class SurvivingReplicas:
             are refused: each replica would see other micro-batches.
         micro_batches: micro-batches per global batch (the replicas at start, or a multiple).
         seed: the run's seed (RNG streams per micro-batch are derived from it).
-        checkpoint_interval: steps between the lead's checkpoints (None: only the final one).
+        checkpoint_interval, mtbf_s: when the lead saves (a
+            :class:`~ray_resilient.checkpoint.save_policy.SavePolicy`, as ``Checkpointer``'s
+            ``interval_steps``): every this many steps, ``"auto"`` (Daly's interval for the job's
+            ``mtbf_s`` from the lead's measured save stall and step time), or None: only the final one.
         faults: a fault plan (:mod:`ray_resilient.faults`; a fault's rank is the replica): ``step``
             faults fire after a step is applied, ``copy`` in a replica sending its state, the
             others in the lead's checkpoint writes.
@@ -101,11 +106,15 @@ class SurvivingReplicas:
         max_failed_saves_in_a_row: the lead raises :class:`~ray_resilient.CheckpointSaveError`
             after this many (another replica takes over as the lead). A failed final save is
             made again from memory; when it cannot be made durable, every replica raises.
+        goodput_logger, goodput_log_every: where the lead logs the run's live goodput, as
+            ``Checkpointer``'s (``"mlflow"``: the MLflow run of this Ray Train run).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
-                 micro_batches: int, seed: int = 0, checkpoint_interval: int | None = None, faults: str = "",
-                 timeout_s: float = 30.0, max_failed_saves_in_a_row: int = 3):
+                 micro_batches: int, seed: int = 0, checkpoint_interval: int | Literal["auto"] | None = None,
+                 mtbf_s: float | None = None, faults: str = "", timeout_s: float = 30.0,
+                 max_failed_saves_in_a_row: int = 3, goodput_logger: MetricsLogger | str | None = "mlflow",
+                 goodput_log_every: int = 50):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         stateful = [name for name, module in model.named_modules()
@@ -116,7 +125,10 @@ class SurvivingReplicas:
                 "BatchNorm that tracks running statistics: each replica would see other micro-batches. Use "
                 "GroupNorm or LayerNorm, or BatchNorm with track_running_stats=False")
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self.micro_batches, self.seed, self.interval = micro_batches, seed, checkpoint_interval
+        self.micro_batches, self.seed = micro_batches, seed
+        self._policy = SavePolicy(checkpoint_interval, mtbf_s=mtbf_s) if checkpoint_interval is not None else None
+        resolve_metrics_logger(goodput_logger, prefix="goodput/", name="goodput", enabled=False)  # refused now, if bad
+        self._goodput_logger, self._goodput_log_every = goodput_logger, goodput_log_every
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.step = 0
         self.finished = False
@@ -132,12 +144,12 @@ class SurvivingReplicas:
         self._storage = CheckpointStorage.from_ray_context()
         self._faults = FaultInjector.from_plan(faults, self.replica, self._storage.filesystem,
                                                self._storage.experiment_path)
-        self._ledger: LedgerWriter | None = None  # the lead's: it records the run's progress as its rank 0
+        self._goodput: GoodputRecorder | None = None  # the lead's: it records the run's progress as its rank 0
         # The lead's checkpoints, as a one-rank job (the others never stage, write or hold the lease).
         self._session = CheckpointSession(self._storage, 0, self._faults,
                                           max_failed_saves_in_a_row=max_failed_saves_in_a_row,
-                                          on_durable=lambda step, t: self._record(EventKind.DURABLE, t=t, step=step))
-        self._leading = False  # whether this replica became the lead (it stays so while it lives)
+                                          on_durable=lambda step, t: self._goodput.durable(step, t))
+        self._last_durable_seconds = 0.0  # how long the lead's newest durable save took to be durable
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
         self._durable_step = -1  # the step of the lead's newest durable save
         self._registered_step = _step_of(ray.train.get_checkpoint())  # the newest registered with Ray
@@ -181,8 +193,10 @@ class SurvivingReplicas:
             if error is None:
                 self._registrations.close()
             self._session.close(error)
-            if self._ledger is not None:
-                self._ledger.close()
+            if self._goodput is not None:
+                if error is not None:
+                    self._goodput.failure(error)
+                self._goodput.close()
             self._live.close()
 
     # --- training -----------------------------------------------------------------------
@@ -226,12 +240,17 @@ class SurvivingReplicas:
             if not self._trained and spares_enabled():
                 SpareWorkerRequest().first_step()  # a warm process for the next replacement on this node
             self._trained = True
-            self._record(EventKind.STEP, step=self.step, t_start=started, data_wait=0.0)
             if self.is_lead:
+                ended = time.time()
+                self._goodput.step(self.step, started, ended, 0.0)
                 self._session.lease.check()
                 self._record_saves(self._session.writer.collect(self._session.writer.finished()))
-                if self._session.deferred or (self.interval and self.step % self.interval == 0):
-                    self._save()
+                if self._policy is not None:
+                    self._policy.step_finished(ended - started)
+                    if self._session.deferred or self._policy.due(self.step):
+                        stall = self._save()
+                        if stall is not None:
+                            self._policy.saved(self.step, stall, self._last_durable_seconds, None)
             if gathered[0][-1] > 0:  # a replacement is waiting: take it in at this step boundary
                 self._change_membership()
             return loss
@@ -318,13 +337,19 @@ class SurvivingReplicas:
     def _enter(self, membership: Membership, previous: Membership | None, started: float) -> None:
         """Form ``membership``'s gloo group; bring the members behind its source up to date (a
         restore from storage, from ``started``, when the source read the state from there)."""
+        if self.is_lead and self._goodput is None:  # the lead was lost: this replica takes over
+            self._become_lead()
+            self._goodput.follow_run()
+            if self._policy is not None:
+                self._policy.restored(self.step)
         store = dist.PrefixStore(f"membership{membership.epoch}/", self._store)
         self._group = gloo_group(store, membership.rank(self.replica), len(membership.members), self.timeout,
                                  self._node_ip)
         copy_started = time.time()
         sent = self._copy_state() if membership.behind else 0
         if membership.from_storage:
-            self._record(EventKind.RESTORE, t_start=started, step=self.step)
+            if self._goodput is not None:
+                self._goodput.restored(started, self.step)
         elif membership.behind:
             self._record(EventKind.PEER_RECOVERY, t_start=copy_started, step=self.step,
                          replicas=list(membership.behind), bytes=sent)
@@ -332,8 +357,6 @@ class SurvivingReplicas:
             self._record(EventKind.MEMBERSHIP, step=self.step, world_size=len(membership.members),
                          lost=sorted(set(previous.members) - set(membership.members)),
                          joined=sorted(set(membership.members) - set(previous.members)))
-        if self.is_lead and not self._leading:
-            self._become_lead()
 
     def _wait(self, work: Any) -> None:
         """Wait for a collective of this membership; :class:`ReplicaLostError` as soon as the
@@ -386,10 +409,12 @@ class SurvivingReplicas:
         started = time.time()
         plan = self._become_lead()  # the membership's source restores and leads
         self._attempt = plan.next_attempt
-        self._record(EventKind.ATTEMPT_START, world_size=len(self._membership.members))
+        self._goodput.attempt_started(len(self._membership.members))
         loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
         self.step = loaded[1].step if loaded is not None else 0
         self._durable_step = self.step if loaded is not None else -1
+        if self._policy is not None:
+            self._policy.restored(self.step, loaded[1].interval_steps if loaded is not None else 0)
         self._holds_state = True
         logger.info("Replica %d restored %s (step %d) in %.3fs for replicas %s", self.replica,
                     loaded[0].path if loaded is not None else "no checkpoint", self.step, time.time() - started,
@@ -398,13 +423,15 @@ class SurvivingReplicas:
     def _become_lead(self) -> RestorePlan:
         """Take the run directory's lease (back, when a replica of this run held it;
         ``RunLeaseHeldError`` when another driver's run holds it) and open its checkpoints: this
-        replica reads, writes and deletes them from here on. The complete ones Ray lacks (a lost
-        lead's, or the one about to be restored) are registered at the next chance."""
+        replica reads, writes and deletes them, and records the run's progress, from here on. The
+        complete checkpoints Ray lacks (a lost lead's, or the one about to be restored) are
+        registered at the next chance."""
         registered = ray.train.get_checkpoint()
         plan = self._session.open(registered.path if registered is not None else None)
         self._storage.clear_local_staging()
         self._unregistered.extend((c.step, c.path) for c in reversed(plan.candidates) if c.step > self._registered_step)
-        self._leading = True
+        self._goodput = GoodputRecorder(self._storage, 0, log_every=self._goodput_log_every,
+                                        metrics_logger=self._goodput_logger)
         return plan
 
     def _finish(self) -> None:
@@ -417,7 +444,7 @@ class SurvivingReplicas:
             except CheckpointSaveError as err:
                 ray.get(self._coordinator.finish.remote(self.step, str(err), []))
                 raise
-            self._record(EventKind.FINISH, step=self.step)
+            self._goodput.finished(self.step)
             to_register = [step for step, _ in self._unregistered] if self.world_size == self._replicas else []
             if not to_register and self._unregistered:
                 logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: %d of %d "
@@ -444,20 +471,22 @@ class SurvivingReplicas:
         """Count the lead's finished saves (too many failed in a row raise :class:`CheckpointSaveError`)."""
         for result in results:
             if result.ok:
-                self._durable_step = result.step
+                self._durable_step, self._last_durable_seconds = result.step, result.durable_seconds
                 self._unregistered.append((result.step, result.path))
             self._session.outcomes.record(result)
 
-    def _save(self) -> None:
+    def _save(self) -> float | None:
         """The lead's save of this step, deferred a step while both staging sets are being written
-        (the others would wait for it in the next all-gather)."""
+        (the others would wait for it in the next all-gather); how long it stalled the loop (None: deferred)."""
         if not self._session.may_save(self.step):
-            return
+            return None
         started = time.time()
-        state = self._components.state_to_save(TrainState(step=self.step, seed=self.seed,
-                                                           interval_steps=self.interval or 0), 0)
+        interval = self._policy.interval_steps if self._policy is not None else 0
+        state = self._components.state_to_save(TrainState(step=self.step, seed=self.seed, interval_steps=interval), 0)
         self._session.writer.save(state, self.step, checkpoint_dir_name(self.step, self._attempt))
-        self._record(EventKind.SAVE, t_start=started, step=self.step)
+        ended = time.time()
+        self._goodput.save(self.step, started, ended)
+        return ended - started
 
     def _register(self, step: int) -> None:
         """This replica's part of registering the lead's durable checkpoint of ``step`` with Ray
@@ -468,13 +497,13 @@ class SurvivingReplicas:
             assert offered == step, (offered, step)
         self._registered_step = step
         self._registrations.submit({"step": step}, path)
+        if self._goodput is not None:
+            self._goodput.registered(step)
 
     def _record(self, kind: EventKind, **fields: Any) -> None:
         """A ledger event of the run's progress, recorded by the lead only."""
-        if self.is_lead:
-            if self._ledger is None:
-                self._ledger = LedgerWriter(self._storage, 0)
-            self._ledger.record(kind, **fields)
+        if self._goodput is not None:
+            self._goodput.event(kind, **fields)
 
 
 def _step_of(checkpoint: ray.train.Checkpoint | None) -> int:

@@ -180,7 +180,7 @@ def train_survivors(config: dict[str, Any]) -> None:
     job = worker.job
     train_replica(worker.model, worker.optimizer, worker.data, worker.record, max_steps=job.max_steps,
                   step_seconds=job.step_seconds, after_step=worker.kills.check, micro_batches=worker.world,
-                  seed=job.seed, checkpoint_interval=job.interval, faults=job.faults)
+                  seed=job.seed, checkpoint_interval=job.interval, faults=job.faults, goodput_logger=None)
 
 
 def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, max_steps: int, step_seconds: float,
