@@ -475,6 +475,32 @@ def test_a_full_cache_walks_once_per_headroom_of_misses_and_its_shared_counter_s
     assert 0 < walks <= 900 // 10 + 2, walks
 
 
+def test_any_key_is_cached_pinned_and_evicted_inside_the_cache_directory(tmp_path):
+    """Volume paths longer than a file name may be (a lock was named by the flattened key:
+    ENAMETOOLONG), and S3 keys that climb out with ``..`` or start at ``/``: each is cached under
+    the cache directory and nowhere else, read back whole, pinned, and evicted within the limit."""
+    cache_dir = tmp_path / "cache"
+    cache = FileCache(str(cache_dir), limit_bytes=2 * KIB)
+    keys = ["/".join(["d" * 100] * 3) + "/f.jpg", "x" * 1000, "../../outside.bin", "/tmp/absolute.bin",
+            "a/../../../b.bin"]
+    for number, key in enumerate(keys):
+        def write(dest: str, content: bytes = bytes([number]) * KIB) -> int:
+            Path(dest).write_bytes(content)
+            return KIB
+
+        handle = cache.pin(key)
+        path = Path(cache.fetch(key, KIB, write))
+        assert path.resolve().is_relative_to(cache_dir.resolve()), (key, path)
+        assert path.read_bytes() == bytes([number]) * KIB and cache.lookup(key, KIB) == str(path)
+        cache.unpin(handle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # nothing written outside it
+    assert not Path("/tmp/absolute.bin").exists()
+    cached = [p for p in cache_dir.rglob("*") if p.is_file() and not p.name.startswith(".") and
+              ".locks" not in p.parts]
+    assert sum(p.stat().st_size for p in cached) <= 2 * KIB  # evicted within the limit
+    assert cache.lookup(keys[-1], KIB) is not None  # the newest stays
+
+
 def test_restarted_job_reuses_the_cache(image_dir, tmp_path):
     volume = Volume(image_dir)
     first = make_loader(volume, tmp_path / "cache")

@@ -17,11 +17,15 @@
 - A key is downloaded once per node: a per-key ``flock`` lets one process download it while the
   others that miss it wait and take the file (two workers, or one worker across an epoch boundary).
 - A job restarted on the same node finds its files still there.
+- A key (any volume path: S3 keys may be 1,024 bytes long and hold ``..``) is stored under a
+  digest of it (:func:`entry_name`), so every key fits the local filesystem's name limits and
+  stays inside the cache directory.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import itertools
 import logging
 import os
@@ -39,6 +43,15 @@ _LOCKS = ".locks"
 _EVICT_LOCK = ".evict.lock"
 _BYTES = ".bytes"  # the cached bytes, kept by every inserter on the node
 _TMP_RE = re.compile(r"\.tmp-(\d+)-\d+$")
+_SUFFIX_RE = re.compile(r"\.[A-Za-z0-9]{1,15}")
+
+
+def entry_name(key: str) -> str:
+    """Where ``key`` is cached, relative to the cache directory: its SHA-256 in 256 folders, with
+    the key's extension when it is a plain one (``.jpg``), so file types still show."""
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    suffix = os.path.splitext(key)[1]
+    return f"{digest[:2]}/{digest[2:]}{suffix if _SUFFIX_RE.fullmatch(suffix) else ''}"
 
 
 @dataclass
@@ -88,16 +101,17 @@ class FileCache:
         self._remove_stale_temporaries()
 
     def path(self, key: str) -> str:
-        return os.path.join(self.directory, key)
+        """The local path of ``key`` in the cache (a file there only while it is cached)."""
+        return os.path.join(self.directory, entry_name(key))
 
-    def _lock_path(self, key: str) -> str:
-        return os.path.join(self.directory, _LOCKS, key.replace("/", "%2F") + ".lock")
+    def _lock_path(self, entry: str) -> str:
+        return os.path.join(self.directory, _LOCKS, entry.replace("/", "") + ".lock")
 
     def pin(self, key: str) -> int | None:
         """Protect ``key`` from eviction until :meth:`unpin`; returns the handle to pass there."""
         if self.limit_bytes is None:
             return None
-        fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._lock_path(entry_name(key)), os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd
 
@@ -135,7 +149,7 @@ class FileCache:
 
     @contextmanager
     def _download_lock(self, key: str) -> Iterator[None]:
-        fd = os.open(self._lock_path(key) + ".download", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._lock_path(entry_name(key)) + ".download", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -194,10 +208,10 @@ class FileCache:
         self.stats.eviction_walks += 1
         files = self._cached_files()
         total = sum(size for _, size, _ in files)
-        for key, size, _ in sorted(files, key=lambda f: f[2]):
+        for entry, size, _ in sorted(files, key=lambda f: f[2]):
             if total <= target:
                 return total
-            if self._remove_unless_pinned(key):
+            if self._remove_unless_pinned(entry):
                 total -= size
                 self.stats.evicted_files += 1
         if total > target:
@@ -205,15 +219,15 @@ class FileCache:
                            self.directory, self.limit_bytes, total)
         return total
 
-    def _remove_unless_pinned(self, key: str) -> bool:
-        fd = os.open(self._lock_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+    def _remove_unless_pinned(self, entry: str) -> bool:
+        fd = os.open(self._lock_path(entry), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
         try:
-            os.remove(self.path(key))
+            os.remove(os.path.join(self.directory, entry))
             return True
         except FileNotFoundError:
             return False
@@ -221,7 +235,7 @@ class FileCache:
             os.close(fd)
 
     def _cached_files(self) -> list[tuple[str, int, float]]:
-        """(key, size, last use) of every complete cached file."""
+        """(entry, size, last use) of every complete cached file."""
         found = []
         for dirpath, dirnames, filenames in os.walk(self.directory):
             if dirpath == self.directory:
