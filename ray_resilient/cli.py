@@ -16,7 +16,9 @@ import os
 import sys
 
 from ray_resilient.goodput.planner import (
+    MTBF_RANGE_S,
     SECONDS_PER_DAY,
+    SECONDS_PER_YEAR,
     MeasuredInputs,
     measured_inputs,
     mtbf_from_annual_failure_rate,
@@ -29,7 +31,11 @@ from ray_resilient.goodput.report import format_plan
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +66,10 @@ def _add_status(commands: argparse._SubParsersAction) -> None:
         "restart would load.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="<storage_path>/<run name>: a path or URI (s3://...)")
+    parser.add_argument("--verify", choices=("none", "newest", "all"), default="newest",
+                        help="which complete checkpoints to verify (shard checksums, .metadata, train state): "
+                        "what a restart would try, newest first until one verifies (default), every one "
+                        "(in parallel), or none")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=functools.partial(_status, parser))
 
@@ -68,7 +78,7 @@ def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ray_resilient.status import format_status, run_status
 
     try:
-        status = run_status(args.run_dir)
+        status = run_status(args.run_dir, verify=args.verify)
     except (OSError, ValueError) as error:
         parser.error(str(error))
     print(json.dumps(dataclasses.asdict(status), indent=2) if args.json else format_status(status))
@@ -208,6 +218,10 @@ def _goodput_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     else:
         mtbf_s = args.mtbf_hours * 3600
         source = "as given"
+    low, high = MTBF_RANGE_S
+    if not low <= mtbf_s <= high:
+        parser.error(f"the job's mean time between failures would be {mtbf_s:.3g} s ({source}): a plan needs "
+                     f"{low:g} s to {high / SECONDS_PER_YEAR:g} years; check the failure rate")
 
     costs = MeasuredInputs(save_stall_s=None, restart_s=None, step_s=None, durable_latency_s=None)
     if args.from_run is not None:

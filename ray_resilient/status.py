@@ -1,19 +1,29 @@
-"""Where a run stands: its checkpoints, its attempts, its goodput so far, what a restart would load.
+"""Where a run stands: its checkpoints, its attempts, its goodput so far, what a restart would do.
 
 Read from the run directory alone (any storage URI), without Ray: ``ray-resilient status RUN_DIR``.
+A checkpoint *verifies* when a restore would read it: its shards match their checksums and its
+``.metadata`` and train state pass the restore's checks (:mod:`~ray_resilient.checkpoint.trust`).
+By default only what a restart would try is verified: the newest complete checkpoint, and older
+ones only while the newer do not verify (``verify="all"`` checks every one, in parallel).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
+
 import pyarrow.fs as pafs
 
-from ray_resilient.checkpoint.integrity import ChecksumMismatchError, verify_checksums
-from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints
+from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints, parse_checkpoint_dir_name
+from ray_resilient.checkpoint.lease import LEASE_FILE
+from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.goodput.accounting import Attempt, account, group_attempts
 from ray_resilient.goodput.events import EventKind
-from ray_resilient.goodput.ledger import read_events
-from ray_resilient.storage.run import RunStorage
+from ray_resilient.goodput.ledger import LEDGER_DIR, read_events
+
+Verify = Literal["none", "newest", "all"]
+VERIFY_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -24,7 +34,7 @@ class CheckpointStatus:
     complete: bool  # its .metadata is written: every shard was durable
     bytes: int
     registered: bool  # Ray Train was told of it (the ledger's "registered" event)
-    verifies: bool | None  # every shard matches its recorded checksum (None: partial, not checked)
+    verifies: bool | None  # a restore would read it (None: partial, or not checked)
     problem: str | None  # why it does not verify
 
 
@@ -43,7 +53,8 @@ class RunStatus:
     checkpoints: list[CheckpointStatus]
     attempts: list[AttemptStatus]
     goodput: float | None  # None: the run has no ledger yet
-    restart_would_load: str | None  # the newest complete checkpoint that verifies
+    restart_would_load: str | None  # the newest complete checkpoint that verifies (unverified: the newest)
+    restart_would_refuse: bool  # complete checkpoints exist and none verifies: NoLoadableCheckpointError
 
 
 def _size(fs: pafs.FileSystem, path: str) -> int:
@@ -51,14 +62,52 @@ def _size(fs: pafs.FileSystem, path: str) -> int:
     return sum(info.size or 0 for info in infos if info.type == pafs.FileType.File)
 
 
-def _verify(fs: pafs.FileSystem, checkpoint: CheckpointDir) -> tuple[bool | None, str | None]:
-    if not checkpoint.complete:
-        return None, "partial: no .metadata (its save never finished)"
+def _verify(storage: CheckpointStorage, checkpoint: CheckpointDir) -> tuple[bool, str | None]:
+    """Whether a restore would read ``checkpoint`` (complete), and why not."""
+    from ray_resilient.checkpoint.integrity import verify_checksums
+    from ray_resilient.checkpoint.restore import read_header
+
     try:
-        verify_checksums(fs, checkpoint.path, rank=0, world_size=1)  # one reader checks every shard
-    except (ChecksumMismatchError, OSError) as error:
-        return False, str(error)
+        verify_checksums(storage.filesystem, checkpoint.path, rank=0, world_size=1)  # one reader: every shard
+        read_header(storage, checkpoint.path)
+    except BaseException as error:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        return False, str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
     return True, None
+
+
+def _verified(storage: CheckpointStorage, checkpoints: list[CheckpointDir],
+              verify: Verify) -> dict[str, tuple[bool, str | None]]:
+    """Checkpoint path -> (verifies, problem) for the complete checkpoints ``verify`` checks."""
+    complete = [c for c in checkpoints if c.complete]
+    if verify == "all":
+        with ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
+            return dict(zip((c.path for c in complete), pool.map(lambda c: _verify(storage, c), complete)))
+    found = {}
+    if verify == "newest":
+        for checkpoint in reversed(complete):  # as a restart tries them
+            found[checkpoint.path] = _verify(storage, checkpoint)
+            if found[checkpoint.path][0]:
+                break
+    return found
+
+
+def _require_run_directory(fs: pafs.FileSystem, path: str, run_dir: str) -> None:
+    """ValueError unless ``path`` is a run directory (checkpoints, a ledger or a lease in it)."""
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
+        raise ValueError(f"{run_dir} is not a directory: pass <storage_path>/<run name> of a run")
+    entries = fs.get_file_info(pafs.FileSelector(path))
+    names = {info.base_name for info in entries}
+    if names & {LEDGER_DIR, LEASE_FILE} or any(parse_checkpoint_dir_name(name) for name in names):
+        return
+    if parse_checkpoint_dir_name(path.rstrip("/").rsplit("/", 1)[-1]):
+        raise ValueError(f"{run_dir} is a checkpoint, not a run directory: pass its parent, "
+                         f"{run_dir.rstrip('/').rsplit('/', 1)[0]}")
+    runs = sorted(info.base_name for info in entries if info.type == pafs.FileType.Directory)
+    raise ValueError(f"{run_dir} is not a run directory (no checkpoints, goodput ledger or lease in it)"
+                     + (f"; it holds {', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''}: pass one of them"
+                        if runs else "") + ": pass <storage_path>/<run name> of a run")
 
 
 def _attempt(attempt: Attempt, failures: list[tuple[float, str]], next_start: float) -> AttemptStatus:
@@ -74,30 +123,35 @@ def _attempt(attempt: Attempt, failures: list[tuple[float, str]], next_start: fl
                          max(steps, default=None), ended)
 
 
-def run_status(run_dir: str) -> RunStatus:
-    """The status of the run directory ``run_dir`` (a local path or a URI such as ``s3://bucket/runs/name``)."""
-    storage = RunStorage.from_uri(run_dir)
+def run_status(run_dir: str, verify: Verify = "newest") -> RunStatus:
+    """The status of the run directory ``run_dir`` (a local path or a URI such as
+    ``s3://bucket/runs/name``), verifying the checkpoints ``verify`` says (see the module docstring)."""
+    storage = CheckpointStorage.from_uri(run_dir)
     fs, path = storage.filesystem, storage.experiment_path
-    if fs.get_file_info(path).type != pafs.FileType.Directory:
-        raise ValueError(f"{run_dir} is not a directory: pass <storage_path>/<run name> of a run")
+    _require_run_directory(fs, path, run_dir)
     events = read_events(fs, path)
     registered = {e["step"] for e in events if e["kind"] == EventKind.REGISTERED}
+    found = list_checkpoints(fs, path)
+    verified = _verified(storage, found, verify)
     checkpoints = []
-    for checkpoint in list_checkpoints(fs, path):
-        verifies, problem = _verify(fs, checkpoint)
+    for checkpoint in found:
+        verifies, problem = verified.get(checkpoint.path, (None, None if checkpoint.complete else
+                                                           "partial: no .metadata (its save never finished)"))
         checkpoints.append(CheckpointStatus(checkpoint.step, checkpoint.attempt, checkpoint.path, checkpoint.complete,
                                             _size(fs, checkpoint.path), checkpoint.step in registered, verifies,
                                             problem))
     attempts, _ = group_attempts(events)
     failures = sorted((e["t"], e.get("error", "")) for e in events if e["kind"] == EventKind.FAILURE)
     next_starts = [a.start for a in attempts[1:]] + [float("inf")]
-    loadable = [c for c in checkpoints if c.verifies]
+    complete = [c for c in checkpoints if c.complete]
+    loadable = [c for c in complete if c.verifies is not False]  # unverified ones are taken as they are
     return RunStatus(
         run_dir=run_dir,
         checkpoints=checkpoints,
         attempts=[_attempt(a, failures, next_start) for a, next_start in zip(attempts, next_starts)],
         goodput=account(events).goodput if attempts else None,
         restart_would_load=loadable[-1].path if loadable else None,
+        restart_would_refuse=bool(complete) and not loadable,
     )
 
 
@@ -128,5 +182,12 @@ def format_status(status: RunStatus) -> str:
     if not status.attempts:
         lines.append("  none recorded (no goodput ledger)")
     lines += ["", f"Goodput so far: {'unknown' if status.goodput is None else f'{status.goodput:.1%}'}",
-              f"A restart would load: {status.restart_would_load or 'nothing (it would start fresh)'}"]
+              f"A restart would {_restart(status)}"]
     return "\n".join(lines)
+
+
+def _restart(status: RunStatus) -> str:
+    if status.restart_would_refuse:
+        return ("refuse to start (NoLoadableCheckpointError): no complete checkpoint verifies, and a run never "
+                "starts fresh over its checkpoints")
+    return f"load: {status.restart_would_load or 'nothing (it would start fresh)'}"

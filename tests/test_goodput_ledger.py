@@ -166,6 +166,44 @@ def test_a_torn_last_line_is_skipped(local_run):
     assert account(read_events(pafs.LocalFileSystem(), local_run)).total == pytest.approx(26.0)
 
 
+def test_stray_files_and_lines_in_the_ledger_are_skipped_naming_them(local_run, tmp_path, caplog, capsys, monkeypatch):
+    """A messy run directory: files that are not a process's log, a log that is not text, lines
+    that are not events (a time that is a string, a step without its step number, an unknown kind,
+    not an object). Each is skipped with a warning naming it; the breakdown is the hand-computed
+    one; a restore's live goodput and the CLI's report still answer."""
+    import os
+    import time
+    from pathlib import Path
+
+    from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
+
+    ledger = Path(local_run) / "goodput"
+    (ledger / ".DS_Store").write_bytes(b"\x00\x01Bud1\xff")
+    (ledger / ".1733000000-rank0-7.jsonl.swp").write_bytes(os.urandom(256))
+    (ledger / "notes.txt").write_text('{"t": 1.0, "kind": "job_start", "process": "x"}\n')
+    (ledger / "1733000000000000000-rank0-8.jsonl").write_bytes(b"\xff\xfe\x00 not text")
+    bad_lines = ['{"t": "soon", "kind": "step", "process": "p", "step": 9, "t_start": 1.0}',
+                 '{"t": 30.0, "kind": "step", "process": "p", "t_start": 29.0}',
+                 '{"t": 30.0, "kind": "checkpoint_exploded", "process": "p"}', '[1, 2]', '"step"']
+    (ledger / "1733000000000000000-rank0-9.jsonl").write_text("\n".join(bad_lines) + "\n")
+    with caplog.at_level("WARNING", logger="ray_resilient.goodput.ledger"):
+        events = read_events(pafs.LocalFileSystem(), local_run)
+    assert account(events).total == pytest.approx(HAND_COMPUTED["total"])
+    warned = caplog.text
+    for name in (".DS_Store", ".1733000000-rank0-7.jsonl.swp", "notes.txt", "1733000000000000000-rank0-8.jsonl"):
+        assert name in warned, name
+    assert warned.count("1733000000000000000-rank0-9.jsonl") == len(bad_lines)
+
+    recorder = GoodputRecorder(RunStorage(pafs.LocalFileSystem(), local_run, str(tmp_path / "local")), 0,
+                               metrics_logger=None)
+    recorder.restored(time.time(), 5)  # what a restore of this run does
+    assert 0 < recorder.metrics()["goodput"] < 1
+    recorder.close()
+    monkeypatch.chdir(tmp_path)
+    out, _ = report_cli(capsys, local_run, "--json")
+    assert json.loads(out)["steps_kept"] == 5
+
+
 def test_remote_ledger_uploads_parts_and_reads_back_the_same(s3_server, tmp_path):
     fs = s3_server.filesystem()
     run_dir = f"{s3_server.bucket}/ledger-test/r"
@@ -308,5 +346,5 @@ def test_a_misspelt_goodput_logger_is_refused_at_construction_on_every_rank(tmp_
 
     storage = RunStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
     with pytest.raises(ValueError, match="'mlflow', a callable .* got 'mlfow'"):
-        GoodputRecorder(storage, rank, world_size=2, metrics_logger="mlfow")
+        GoodputRecorder(storage, rank, metrics_logger="mlfow")
     assert not (tmp_path / "run").exists()  # refused before anything was written

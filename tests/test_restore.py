@@ -3,9 +3,12 @@ stops the restore at once, and neither leaves the job running on half-applied st
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pathlib
 import pickle
+import shutil
 
 import pyarrow.fs as pafs
 import pytest
@@ -117,19 +120,46 @@ def test_an_added_scheduler_stops_the_restore(storage):
     assert_untouched(job, before)
 
 
+def assert_restored_step_5_whole(job: TrainingComponents) -> None:
+    assert job.data.position == 5
+    expected = components(5)
+    for key, value in expected.model.state_dict().items():
+        assert torch.equal(job.model.state_dict()[key], value), key
+
+
 def test_a_truncated_shard_is_unreadable_and_the_previous_checkpoint_loads_whole(storage, tmp_path, caplog):
     write_checkpoints(storage)
     newest = tmp_path / "run" / checkpoint_dir_name(10, 0)
-    for manifest in newest.glob("checksums_rank_*.json"):  # as written before checksums: DCP's read fails
+    for manifest in newest.glob("checksums_rank_*.json"):  # as written before checksums
         manifest.unlink()
     shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
     job = components(99)
     loaded = restore(storage, job)
-    assert loaded is not None and loaded[1].step == 5 and job.data.position == 5
-    expected = components(5)
-    for key, value in expected.model.state_dict().items():
-        assert torch.equal(job.model.state_dict()[key], value), key
+    assert loaded is not None and loaded[1].step == 5
+    assert_restored_step_5_whole(job)
+    # Refused from .metadata's byte ranges, before any read.
+    assert "failed to load" in caplog.text and "outside the file" in caplog.text and "retrying" not in caplog.text
+
+
+def test_a_read_that_keeps_failing_is_retried_then_the_previous_checkpoint_loads_whole(storage, tmp_path, caplog):
+    """The bytes of a pickled value (the scheduler's state) overwritten with garbage of the same
+    length, in a checkpoint without checksums: DCP's read fails, is retried, then the checkpoint is
+    skipped."""
+    write_checkpoints(storage)
+    newest = tmp_path / "run" / checkpoint_dir_name(10, 0)
+    for manifest in newest.glob("checksums_rank_*.json"):
+        manifest.unlink()
+    metadata = storage.reader(str(newest)).read_metadata()
+    index, info = next((i, v) for i, v in metadata.storage_data.items() if i.fqn.startswith("lr_scheduler"))
+    shard = newest / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset:info.offset + info.length] = b"\x00" * info.length
+    shard.write_bytes(bytes(data))
+    job = components(99)
+    loaded = restore(storage, job)
+    assert loaded is not None and loaded[1].step == 5
+    assert_restored_step_5_whole(job)
     assert "failed to load" in caplog.text and "retrying" in caplog.text
 
 
@@ -184,6 +214,76 @@ def test_a_metadata_file_that_would_run_code_when_loaded_is_refused_and_the_prev
     assert restore(storage, job)[1].step == 5
     assert not (tmp_path / "pwned").exists()
     assert ".metadata refers to pathlib.Path.touch" in caplog.text
+
+
+def _rewrite_metadata(newest: pathlib.Path, change) -> None:
+    metadata = pickle.loads((newest / ".metadata").read_bytes())
+    index = next(i for i in metadata.storage_data if i.fqn.startswith("model."))
+    metadata.storage_data[index] = change(metadata.storage_data[index])
+    (newest / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _add_to_manifest(newest: pathlib.Path, name: str) -> None:
+    manifest_path = newest / "checksums_rank_0.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest[name] = {"sha256": "0" * 64, "bytes": 1 << 40}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def _link_a_device(newest: pathlib.Path) -> None:
+    (newest / "zero").symlink_to("/dev/zero")
+    _add_to_manifest(newest, "zero")
+
+
+def _huge_world_size(newest: pathlib.Path) -> None:
+    """Checkpoint 10 again, saying it was written by a billion ranks."""
+    shutil.rmtree(newest)
+    saved = components(10)
+    state = saved.state_to_save(TrainState(step=10), rank=0)
+    state["train_state"]["world_size"] = 10**9
+    dcp.save(state, checkpoint_id=str(newest), no_dist=True)
+
+
+CRAFTED = {  # what a crafted checkpoint 10 does -> the rule its refusal names
+    "a .metadata path climbing into another checkpoint": (
+        lambda newest: _rewrite_metadata(newest, lambda info: dataclasses.replace(
+            info, relative_path=f"../{checkpoint_dir_name(5, 0)}/{info.relative_path}")),
+        "only a bare file name"),
+    "an absolute .metadata path": (
+        lambda newest: _rewrite_metadata(newest, lambda info: dataclasses.replace(info, relative_path="/dev/zero")),
+        "only a bare file name"),
+    "an offset past the end of the shard": (
+        lambda newest: _rewrite_metadata(newest, lambda info: dataclasses.replace(info, offset=1 << 40)),
+        "outside the file"),
+    "a manifest naming a path out of the checkpoint": (
+        lambda newest: _add_to_manifest(newest, "../../../../../../../../dev/zero"), "only a bare file name"),
+    "a manifest naming a symlink to a device": (_link_a_device, "not a regular file"),
+    "a manifest that is not one": (
+        lambda newest: (newest / "checksums_rank_0.json").write_text("[1, 2"), "is not a checksum manifest"),
+    "a billion ranks": (_huge_world_size, "10**9"),
+}
+
+
+@pytest.mark.parametrize("craft", sorted(CRAFTED))
+def test_a_crafted_checkpoint_is_refused_naming_its_file_and_rule_and_the_previous_one_loads(
+        storage, tmp_path, caplog, craft):
+    """Write access to a run directory reaches no further: a crafted newest checkpoint reads no
+    other file, hashes no device, allocates nothing it names. It is skipped (the previous loads),
+    and ``status`` answers too, saying it does not verify."""
+    from ray_resilient.status import run_status
+
+    write_checkpoints(storage)
+    newest = tmp_path / "run" / checkpoint_dir_name(10, 0)
+    make, rule = CRAFTED[craft]
+    make(newest)
+    job = components(99)
+    loaded = restore(storage, job)
+    assert loaded is not None and loaded[1].step == 5
+    assert_restored_step_5_whole(job)
+    rule = "1000000000 ranks" if rule == "10**9" else rule
+    assert rule in caplog.text and str(newest) in caplog.text
+    verified = {c.step: c.verifies for c in run_status(str(tmp_path / "run")).checkpoints}
+    assert verified[5] is True and verified[10] is not True
 
 
 def test_a_checkpoint_written_before_per_rank_buffers_restores_with_the_model_entrys(storage, tmp_path):

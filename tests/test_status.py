@@ -97,6 +97,85 @@ def test_status_of_a_run_on_s3(s3_server, tmp_path, capsys, monkeypatch):
     check_status(capsys, f"s3://{run_dir}", paths)
 
 
+def status_error(capsys, *args: str) -> str:
+    """The one-line usage error of ``ray-resilient status ARGS`` (exit status 2, no traceback)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status", *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_the_storage_root_or_a_checkpoint_is_not_a_run_directory_and_says_what_to_pass(tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "r"
+    write_run(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
+    root = status_error(capsys, str(tmp_path / "runs"))
+    assert f"{tmp_path / 'runs'} is not a run directory" in root and "it holds r: pass one of them" in root
+    checkpoint = run_dir / checkpoint_dir_name(5, 0)
+    assert f"is a checkpoint, not a run directory: pass its parent, {run_dir}" in status_error(capsys, str(checkpoint))
+
+
+@pytest.mark.parametrize("verify", ["none", "newest", "all"])
+def test_verify_checks_what_a_restart_would_try_every_checkpoint_or_none(tmp_path, capsys, verify):
+    run_dir = str(tmp_path / "runs" / "r")
+    paths = write_run(pafs.LocalFileSystem(), run_dir, str(tmp_path / "local"))
+    for step in (12, 13):  # two complete checkpoints newer than the damaged 10
+        storage = CheckpointStorage(pafs.LocalFileSystem(), run_dir, str(tmp_path / "local"))
+        writer = AsyncCheckpointWriter(storage, 0, FaultInjector([], 0, storage.filesystem, f"{run_dir}/.faults"))
+        writer.save(TrainingComponents(torch.nn.Linear(4, 4)).state_to_save(TrainState(step=step), rank=0), step,
+                    checkpoint_dir_name(step, 0))
+        assert writer.collect()[-1].ok
+        writer.close()
+        paths[step] = f"{run_dir}/{checkpoint_dir_name(step, 0)}"
+    assert main(["status", run_dir, "--json", "--verify", verify]) == 0
+    status = json.loads(capsys.readouterr().out)
+    verified = {c["step"]: c["verifies"] for c in status["checkpoints"]}
+    expected = {"none": {5: None, 10: None, 12: None, 13: None},
+                "newest": {5: None, 10: None, 12: None, 13: True},  # a restart loads 13: nothing older is read
+                "all": {5: True, 10: False, 12: True, 13: True}}[verify]
+    assert {step: verified[step] for step in expected} == expected and verified[15] is None
+    assert status["restart_would_load"] == paths[13] and not status["restart_would_refuse"]
+
+
+def test_a_run_whose_checkpoints_all_fail_would_refuse_to_restart_not_start_fresh(tmp_path, capsys):
+    run_dir = tmp_path / "runs" / "r"
+    write_run(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
+    (run_dir / checkpoint_dir_name(5, 0) / "checksums_rank_0.json").write_text("{")  # 10 is truncated already
+    assert main(["status", str(run_dir), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["restart_would_refuse"] and status["restart_would_load"] is None
+    assert [c["verifies"] for c in status["checkpoints"]] == [False, False, None]
+    assert main(["status", str(run_dir)]) == 0
+    assert "A restart would refuse to start (NoLoadableCheckpointError)" in capsys.readouterr().out
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    """``ray-resilient status RUN | head -1``: the reader closes early; no traceback."""
+    import subprocess
+    import sys
+
+    run_dir = str(tmp_path / "runs" / "r")
+    write_run(pafs.LocalFileSystem(), run_dir, str(tmp_path / "local"))
+    command = [sys.executable, "-c", "import sys; from ray_resilient.cli import main; sys.exit(main())",
+               "status", run_dir, "--verify", "none"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # before it writes anything
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and "Traceback" not in stderr and "Error" not in stderr, stderr
+
+
+@pytest.mark.parametrize("rate, said", [
+    (["--failures-per-day", "1e300"], "8.64e-296 s (1e+300 failures a day)"),
+    (["--mtbf-hours", "1e300"], "3.6e+303 s (as given)"),
+])
+def test_a_failure_rate_no_plan_can_use_is_a_one_line_error(capsys, rate, said):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["goodput", "plan", *rate, "--save-stall", "5s", "--step-time", "1s"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert said in err and "a plan needs 1 s to 1000 years" in err
+
+
 def test_status_of_what_is_not_a_run_is_a_usage_error_naming_it(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["status", str(tmp_path / "nothing")])

@@ -41,6 +41,7 @@ from ray_resilient.checkpoint.state import (
     TrainState, rank_key,
 )
 from ray_resilient.checkpoint.storage import CheckpointStorage
+from ray_resilient.checkpoint.trust import check_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,21 @@ def _read(storage: CheckpointStorage, path: str, state: dict[str, Any], group: d
             time.sleep(READ_BACKOFF_S * 2**attempt)
 
 
+def read_header(storage: CheckpointStorage, path: str,
+                group: dist.ProcessGroup | None = None) -> tuple[TrainState, Metadata]:
+    """The checkpoint's ``.metadata`` (read safely, its byte ranges checked) and train state (its
+    world size checked), before anything else of it is read."""
+    metadata = storage.reader(path).read_metadata()  # first: its refusal names what it refers to
+    # The fields this checkpoint has: one written before a field was added still loads.
+    box = {TRAIN_STATE: {key: value for key, value in TrainState().state_dict().items()
+                         if f"{TRAIN_STATE}.{key}" in metadata.state_dict_metadata}}
+    _read(storage, path, box, group)
+    saved = TrainState()
+    saved.load_state_dict(box[TRAIN_STATE])
+    check_world_size(path, saved.world_size)  # before anything is allocated per saved rank
+    return saved, metadata
+
+
 def _stage(group: dist.ProcessGroup | None, severity: int, fn: Callable[[], Any]) -> tuple[tuple[int, str], Any]:
     """Run one load stage on every rank; its outcome is the worst over the ranks."""
     try:
@@ -140,20 +156,10 @@ def _load(
     """Read one checkpoint (see the module docstring). Returns the outcome and, when it loaded,
     (train state, the loaded state to apply, warnings)."""
 
-    def header() -> tuple[TrainState, Metadata]:
-        metadata = storage.reader(path).read_metadata()  # first: its refusal names what it refers to
-        # The fields this checkpoint has: one written before a field was added still loads.
-        box = {TRAIN_STATE: {key: value for key, value in TrainState().state_dict().items()
-                             if f"{TRAIN_STATE}.{key}" in metadata.state_dict_metadata}}
-        _read(storage, path, box, group)
-        saved = TrainState()
-        saved.load_state_dict(box[TRAIN_STATE])
-        return saved, metadata
-
     outcome, _ = _stage(group, UNREADABLE, lambda: verify_checksums(storage.filesystem, path, rank, world_size))
     if outcome[0] != OK:
         return outcome, None
-    outcome, found = _stage(group, UNREADABLE, header)
+    outcome, found = _stage(group, UNREADABLE, lambda: read_header(storage, path, group))
     if outcome[0] != OK:
         return outcome, None
     saved, metadata = found

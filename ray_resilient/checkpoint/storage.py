@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ray_resilient._torch_internals import read_reader_metadata, redirect_reader
 from ray_resilient.checkpoint.layout import METADATA_FILE
 from ray_resilient.checkpoint.safe_loading import read_metadata
+from ray_resilient.checkpoint.trust import MAX_METADATA_BYTES, check_size, check_storage_data, regular_files
 from ray_resilient.storage.run import RunStorage
 
 MAX_PARALLEL_UPLOADS = 8  # a rank's shard files (one per write thread) upload at once
@@ -111,11 +112,17 @@ class _ArrowFileSystem(FileSystemBase):
 
 class ArrowDCPReader(FileSystemReader):
     """A DCP ``StorageReader`` for a checkpoint directory on any pyarrow filesystem, reading
-    ``.metadata`` without running code from it (:mod:`~ray_resilient.checkpoint.safe_loading`)."""
+    ``.metadata`` without running code from it (:mod:`~ray_resilient.checkpoint.safe_loading`)
+    and only byte ranges inside the directory's own files (:mod:`~ray_resilient.checkpoint.trust`)."""
 
     def __init__(self, fs: pafs.FileSystem, path: str):
         super().__init__(path)
         redirect_reader(self, _ArrowFileSystem(fs), path)
+        self._arrow_fs, self._directory = fs, path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return read_reader_metadata(self, kwargs.get("rank"), read_metadata)
+        files = regular_files(self._arrow_fs, self._directory)
+        check_size(self._directory, METADATA_FILE, files.get(METADATA_FILE), MAX_METADATA_BYTES)
+        metadata = read_reader_metadata(self, kwargs.get("rank"), read_metadata)
+        check_storage_data(self._directory, metadata, files)
+        return metadata

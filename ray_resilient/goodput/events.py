@@ -23,3 +23,21 @@ class EventKind(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+# The fields the accounting reads from each kind, besides ``t`` and ``process``: numbers, except
+# MEMBERSHIP's ``lost`` (a list of replicas). A line without them is not an event of the ledger.
+REQUIRED_FIELDS: dict[EventKind, tuple[str, ...]] = {
+    EventKind.JOB_START: (),
+    EventKind.ATTEMPT_START: (),
+    EventKind.RESTORE: ("t_start", "step"),
+    EventKind.STEP: ("step", "t_start"),
+    EventKind.SAVE: ("step", "t_start"),
+    EventKind.DURABLE: ("step",),
+    EventKind.REGISTERED: ("step",),
+    EventKind.FAILURE: (),
+    EventKind.FINISH: ("step",),
+    EventKind.STEP_DISCARDED: ("step", "t_start"),
+    EventKind.MEMBERSHIP: ("step", "lost"),
+    EventKind.PEER_RECOVERY: ("t_start", "step"),
+}

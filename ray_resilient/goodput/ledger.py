@@ -21,6 +21,11 @@ process keeps at most ``FAN_IN`` objects per size class: about 60 for a day of u
 instead of 43,000. A reader takes, per process, the objects that cover its spool without overlap
 (an object whose range lies inside another's, left by a crash between a merge and its deletes, is
 not read), and reads them in parallel.
+
+A run directory is shared and sometimes messy: a file in ``goodput/`` that is not a process's log
+(an editor's swap file, ``.DS_Store``), bytes that are not text, a line that is not an event (torn
+by a kill, or without a time or kind) are skipped, each with a warning naming it. Reading the
+ledger never fails a restore.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from ray_resilient.goodput.events import EventKind
+from ray_resilient.goodput.events import REQUIRED_FIELDS, EventKind
 from ray_resilient.storage.run import RunStorage
 
 logger = logging.getLogger(__name__)
@@ -44,7 +49,9 @@ logger = logging.getLogger(__name__)
 LEDGER_DIR = "goodput"
 FAN_IN = 16  # a process's newest objects of one size class merged into one of the next
 READ_THREADS = 16
-_RANGE_RE = re.compile(r"^(?P<process>.+\.jsonl)\.(?P<start>\d{12})-(?P<end>\d{12})$")
+_PROCESS_LOG = r"\d+-rank-?\d+-\d+\.jsonl"  # LedgerWriter.process + ".jsonl"
+_LOG_RE = re.compile(f"^{_PROCESS_LOG}$")
+_RANGE_RE = re.compile(f"^(?P<process>{_PROCESS_LOG})\\.(?P<start>\\d{{12}})-(?P<end>\\d{{12}})$")
 
 
 def ledger_path(experiment_path: str) -> str:
@@ -146,30 +153,60 @@ def read_events(filesystem: pafs.FileSystem, experiment_path: str) -> list[dict[
     selector = pafs.FileSelector(ledger_path(experiment_path), allow_not_found=True)
     paths = _covering([i.path for i in filesystem.get_file_info(selector) if i.type == pafs.FileType.File])
 
-    def read(path: str) -> str:
+    def read(path: str) -> str | None:
         with filesystem.open_input_stream(path) as stream:
-            return stream.read().decode()
+            data = stream.read()
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            logger.warning("Skipping %s in the goodput ledger: it is not text", path)
+            return None
 
     events = []
     with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
         for path, text in zip(paths, pool.map(read, paths)):
-            for line in text.splitlines():
+            for line in (text or "").splitlines():
                 if line.strip():
-                    try:
-                        events.append(json.loads(line))
-                    except json.JSONDecodeError:  # the last line of a process killed mid-write
-                        logger.warning("skipping a torn line in %s", path)
+                    event = _parse_event(line)
+                    if event is None:  # e.g. the last line of a process killed mid-write
+                        logger.warning("Skipping a line of %s in the goodput ledger that is not an event: %.80r",
+                                       path, line)
+                    else:
+                        events.append(event)
     return sorted(events, key=lambda e: e["t"])
 
 
+def _parse_event(line: str) -> dict[str, Any] | None:
+    """The event of a ledger line; None when it is not one (a JSON object of a known kind, with a
+    time, a process and the fields its kind carries: :data:`~.events.REQUIRED_FIELDS`)."""
+    try:
+        event = json.loads(line)
+        kind = EventKind(event["kind"])
+    except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+        return None
+    if not isinstance(event.get("process"), str):
+        return None
+    for field in ("t", *REQUIRED_FIELDS[kind]):
+        value = event.get(field)
+        expected = list if field == "lost" else (int, float)
+        if not isinstance(value, expected) or isinstance(value, bool):
+            return None
+    return event
+
+
 def _covering(paths: list[str]) -> list[str]:
-    """The ledger files to read: each process's uploaded ranges without overlap, and every other file."""
+    """The ledger files to read: each process's uploaded ranges without overlap, and the files
+    appended in place; any other file is skipped with a warning."""
     ranges: dict[str, list[tuple[int, int, str]]] = {}
     chosen = []
     for path in paths:
-        match = _RANGE_RE.match(path.rsplit("/", 1)[-1])
+        name = path.rsplit("/", 1)[-1]
+        match = _RANGE_RE.match(name)
         if match is None:
-            chosen.append(path)  # a file appended in place (local storage)
+            if _LOG_RE.match(name):
+                chosen.append(path)  # a file appended in place (local storage)
+            else:
+                logger.warning("Skipping %s in the goodput ledger: not a process's log (a stray file?)", path)
         else:
             ranges.setdefault(match["process"], []).append((int(match["start"]), -int(match["end"]), path))
     for objects in ranges.values():

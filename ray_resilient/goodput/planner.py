@@ -49,6 +49,7 @@ from ray_resilient.goodput.ledger import load_events
 
 SECONDS_PER_DAY = 86400.0
 SECONDS_PER_YEAR = 365 * SECONDS_PER_DAY
+MTBF_RANGE_S = (1.0, 1000 * SECONDS_PER_YEAR)  # the job MTBFs a plan is made for
 
 DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": SECONDS_PER_DAY}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$")
