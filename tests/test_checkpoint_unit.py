@@ -284,3 +284,29 @@ def test_a_fixed_interval_saves_at_its_multiples_and_auto_follows_dalys_interval
     expected = interval_steps_for(600.0, 0.05, 0.2, 0.5)
     assert expected != AUTO_FIRST_STEPS and auto.interval_steps == expected
     assert not auto.due(40 + expected - 1) and auto.due(40 + expected)
+
+
+def test_a_write_that_hangs_fails_the_saves_it_holds_up_then_escalates(storage):
+    """The save of step 5 stalls in its write (3 s, against a save_timeout_s of 0.5 s) with one
+    staging set: while it is young the due saves are deferred (a slow save is not a hang); once it
+    is older, each due save fails, and the third in a row raises. Waiting for it is bounded too."""
+    from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError
+    from ray_resilient.checkpoint.session import CheckpointSession
+    from ray_resilient.testing import wait_until
+
+    session = CheckpointSession(storage, 0, no_faults(storage, "slow_write:upload=5:seconds=3"), staging_buffers=1,
+                                save_timeout_s=0.5, run_id="hung-write")
+    storage.filesystem.create_dir(storage.experiment_path)  # Ray creates the run's directory
+    session.open(None)
+    state = make_components(0).state_to_save(TrainState(step=5), rank=0)
+    session.writer.save(state, 5, checkpoint_dir_name(5, 0))
+    assert not session.may_save(6) and session.deferred and session.outcomes.failed == 0
+    wait_until(lambda: session.writer.oldest_in_flight()[1] > 0.5, timeout=10, what="the write to pass 0.5 s")
+    assert not session.may_save(7) and not session.deferred and session.outcomes.failed == 1
+    assert not session.may_save(8) and session.outcomes.failed == 2
+    with pytest.raises(CheckpointSaveError, match="3 checkpoint saves in a row failed .*the save of step 5 has "
+                                                  "been writing for .* save_timeout_s=0.5"):
+        session.may_save(9)
+    with pytest.raises(CheckpointSaveError, match="save of step 5 has been writing .* storage looks hung") as hung:
+        session.collect_all()
+    session.close(hung.value)

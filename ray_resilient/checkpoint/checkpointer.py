@@ -95,6 +95,9 @@ class Checkpointer:
             counted in ``checkpoint_deferred_saves``) instead of waiting. 1 halves the memory.
         write_threads: files each rank writes in parallel (DCP's ``thread_count``), each
             uploaded in parallel to remote storage.
+        save_timeout_s: a save still writing this long after it began holds up the saves due
+            after it no more: each fails (counting towards ``max_failed_saves_in_a_row``), and
+            waiting for it (``finish()``) raises ``CheckpointSaveError``.
         max_failed_saves_in_a_row: after this many saves in a row failed, raise
             :class:`CheckpointSaveError` (the attempt fails and Ray's ``FailureConfig`` restarts
             the worker group, or ends the run with the reason) instead of training on with
@@ -129,6 +132,7 @@ class Checkpointer:
         staging_buffers: int = 2,
         write_threads: int = 4,
         max_failed_saves_in_a_row: int = 3,
+        save_timeout_s: float = 600.0,
         storage: CheckpointStorage | None = None,
         faults: str | None = None,
         goodput_logger: MetricsLogger | str | None = "mlflow",
@@ -153,7 +157,7 @@ class Checkpointer:
         self._session = CheckpointSession(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
                                           write_threads=write_threads,
                                           max_failed_saves_in_a_row=max_failed_saves_in_a_row,
-                                          on_durable=self.goodput.durable)
+                                          save_timeout_s=save_timeout_s, on_durable=self.goodput.durable)
         self._writer = self._session.writer
         self.outcomes = self._session.outcomes
         # The training thread's own collectives (which saves finished, the auto interval): the
@@ -305,7 +309,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the saves in flight (registering them), then release the writer's resources."""
-        self._collect_saves(wait=True)
+        try:
+            self._collect_saves(wait=True)
+        except BaseException as err:  # a hung write: abandoned, the lease left to the restart
+            self._session.close(err)
+            raise
         self._session.close()
         if self._control is not None:
             dist.destroy_process_group(self._control)
@@ -361,7 +369,7 @@ class Checkpointer:
         a barrier in Ray).
         """
         if wait:
-            results = self._writer.collect()
+            results = self._session.collect_all()
         else:
             finished = smallest_on_any_rank(self._control, self._writer.finished()) if self._writer.in_flight else 0
             results = self._writer.collect(finished)

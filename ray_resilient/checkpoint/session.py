@@ -7,7 +7,10 @@ lead share.
   complete one deleted.
 - The asynchronous writer (:class:`~ray_resilient.checkpoint.writer.AsyncCheckpointWriter`).
 - A save that comes due while every staging set is still being written is deferred, a step at a
-  time, never waited for on the training thread.
+  time, never waited for on the training thread. Once the oldest save in flight has been writing
+  for more than ``save_timeout_s`` (a hung mount, a stuck upload), a due save that cannot start
+  fails instead, and counts towards the escalation below: a hung write ends the attempt
+  (``CheckpointSaveError``; Ray restarts the worker group) instead of deferring every save forever.
 - Finished saves counted, too many failed in a row escalated
   (:class:`~ray_resilient.checkpoint.save_outcomes.SaveOutcomes`).
 - Closing: the saves in flight written and the lease released, or after a failure abandoned (they
@@ -24,9 +27,9 @@ from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.layout import delete_partial_checkpoints
 from ray_resilient.checkpoint.lease import RunLease
 from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints
-from ray_resilient.checkpoint.save_outcomes import SaveOutcomes
+from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError, SaveOutcomes
 from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
+from ray_resilient.checkpoint.writer import AsyncCheckpointWriter, SaveResult
 from ray_resilient.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
@@ -39,14 +42,19 @@ class CheckpointSession:
         storage, rank, faults, staging_buffers, write_threads, on_durable: the writer's
             (:class:`~ray_resilient.checkpoint.writer.AsyncCheckpointWriter`).
         max_failed_saves_in_a_row: :class:`~ray_resilient.checkpoint.save_outcomes.SaveOutcomes`'.
+        save_timeout_s: how long a save may be in flight before the due saves it holds up fail.
+        run_id: the run holding the lease (default: this Ray Train run's).
     """
 
     def __init__(self, storage: CheckpointStorage, rank: int, faults: FaultInjector, *, staging_buffers: int = 2,
-                 write_threads: int = 4, max_failed_saves_in_a_row: int = 3,
-                 on_durable: Callable[[int, float], None] = lambda step, t: None):
+                 write_threads: int = 4, max_failed_saves_in_a_row: int = 3, save_timeout_s: float = 600.0,
+                 on_durable: Callable[[int, float], None] = lambda step, t: None, run_id: str | None = None):
+        if not save_timeout_s > 0:
+            raise ValueError(f"save_timeout_s must be > 0, got {save_timeout_s!r}")
         self.storage = storage
+        self.save_timeout_s = save_timeout_s
         self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
-        self.lease = RunLease(storage.filesystem, storage.experiment_path, train_run_id())
+        self.lease = RunLease(storage.filesystem, storage.experiment_path, run_id or train_run_id())
         self.writer = AsyncCheckpointWriter(storage, rank, faults, staging_buffers=staging_buffers,
                                             write_threads=write_threads, before_commit=self.lease.check,
                                             on_durable=on_durable)
@@ -64,16 +72,35 @@ class CheckpointSession:
         return plan
 
     def may_save(self, step: int) -> bool:
-        """Whether a save due at ``step`` can be staged now; if not, it is deferred (counted once,
-        logged) and due again at the next step."""
-        if not self.writer.can_stage:
-            if not self.deferred:
-                self.deferred_saves += 1
-                logger.info("Checkpoint at step %d deferred: the previous saves are still being written", step)
-            self.deferred = True
+        """Whether a save due at ``step`` can be staged now. If not, it is deferred (counted once,
+        logged) and due again at the next step; or, when the oldest save in flight is older than
+        ``save_timeout_s``, it fails (``CheckpointSaveError`` once too many failed in a row)."""
+        if self.writer.can_stage:
+            self.deferred = False
+            return True
+        oldest_step, age = self.writer.oldest_in_flight()
+        if age > self.save_timeout_s:
+            self.deferred = False
+            self.outcomes.record(SaveResult(step, "", False, 0.0, 0.0, error=(
+                f"not started: the save of step {oldest_step} has been writing for {age:.0f} s, more than "
+                f"save_timeout_s={self.save_timeout_s:g} (is the storage hung?)")))
             return False
-        self.deferred = False
-        return True
+        if not self.deferred:
+            self.deferred_saves += 1
+            logger.info("Checkpoint at step %d deferred: the previous saves are still being written", step)
+        self.deferred = True
+        return False
+
+    def collect_all(self) -> list[SaveResult]:
+        """Wait for every save in flight; :class:`CheckpointSaveError` when one is still writing
+        ``save_timeout_s`` after it began (a hung write would otherwise hold the run forever)."""
+        try:
+            return self.writer.collect(timeout_s=self.save_timeout_s)
+        except TimeoutError:
+            step, age = self.writer.oldest_in_flight()
+            raise CheckpointSaveError(
+                f"the save of step {step} has been writing for {age:.0f} s, more than save_timeout_s="
+                f"{self.save_timeout_s:g}: the storage looks hung; stopping this attempt") from None
 
     def close(self, error: BaseException | None = None) -> None:
         """Wait for the saves in flight and release the lease; after ``error``, abandon the saves in

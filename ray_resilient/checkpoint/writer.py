@@ -52,6 +52,16 @@ class SaveResult:
     stall_phases: Mapping[str, float] = field(default_factory=dict)  # that stall by phase (Checkpointer)
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A save in flight: its write, the staging set it holds, its step and start (monotonic s)."""
+
+    future: Future[SaveResult]
+    stager: HostStager
+    step: int
+    started: float
+
+
 class _ShardWriter(FileSystemWriter):
     """DCP's file writer that records its shards' checksums (:mod:`~ray_resilient.checkpoint.integrity`),
     with the ``upload`` fault point between the shards and ``.metadata``, and ``before_commit``
@@ -112,7 +122,7 @@ class AsyncCheckpointWriter:
         self._group = dist.new_group(backend="gloo") if distributed else None
         self._stagers = [HostStager() for _ in range(staging_buffers)]  # pinned when the state is on CUDA
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray_resilient_ckpt")
-        self._pending: deque[tuple[Future[SaveResult], HostStager]] = deque()  # oldest first
+        self._pending: deque[_Pending] = deque()  # oldest first
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -137,30 +147,44 @@ class AsyncCheckpointWriter:
     def finished(self) -> int:
         """How many of the oldest saves in flight have finished on this rank (without waiting)."""
         count = 0
-        for future, _ in self._pending:
-            if not future.done():
+        for pending in self._pending:
+            if not pending.future.done():
                 break
             count += 1
         return count
+
+    def oldest_in_flight(self) -> tuple[int, float] | None:
+        """The step of the oldest save in flight and how long ago it began (s); None when none is."""
+        if not self._pending:
+            return None
+        oldest = self._pending[0]
+        return oldest.step, time.monotonic() - oldest.started
 
     def save(self, state_dict: dict[str, Any], step: int, name: str) -> None:
         """Stage ``state_dict`` (the training loop's only cost) and write it in the background
         as the checkpoint directory ``name``, after the saves before it."""
         if not self.can_stage:
             raise RuntimeError("every staging buffer set is still being written: collect() a save before the next")
-        busy = {id(stager) for _, stager in self._pending}
+        busy = {id(pending.stager) for pending in self._pending}
         stager = next(stager for stager in self._stagers if id(stager) not in busy)
         started = time.monotonic()
         self.faults.fire("staging", step)
         staged = stager.stage(state_dict)
         stage_seconds = time.monotonic() - started
         future = self._executor.submit(self._write, staged, step, name, started, stage_seconds)
-        self._pending.append((future, stager))
+        self._pending.append(_Pending(future, stager, step, started))
 
-    def collect(self, count: int | None = None) -> list[SaveResult]:
-        """Wait for the ``count`` oldest saves in flight (default: all) and return their results."""
+    def collect(self, count: int | None = None, timeout_s: float | None = None) -> list[SaveResult]:
+        """Wait for the ``count`` oldest saves in flight (default: all) and return their results;
+        ``TimeoutError`` when one is still writing ``timeout_s`` after it began (it stays in flight)."""
         count = len(self._pending) if count is None else min(count, len(self._pending))
-        return [self._pending.popleft()[0].result() for _ in range(count)]
+        results = []
+        for _ in range(count):
+            oldest = self._pending[0]
+            wait = None if timeout_s is None else max(0.0, oldest.started + timeout_s - time.monotonic())
+            results.append(oldest.future.result(timeout=wait))
+            self._pending.popleft()
+        return results
 
     def abandon(self) -> None:
         """Stop without waiting (the process is failing): saves in flight stay partial."""

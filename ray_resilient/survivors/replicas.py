@@ -103,6 +103,7 @@ class SurvivingReplicas:
         timeout_s: how long a collective waits on a connection that carries nothing while every
             replica still sends its heartbeats (a partition between two replicas); a replica that
             stops answering altogether is dropped sooner (:mod:`.liveness`).
+        save_timeout_s: as ``Checkpointer``'s: a save still writing this long makes the due saves fail.
         max_failed_saves_in_a_row: the lead raises :class:`~ray_resilient.CheckpointSaveError`
             after this many (another replica takes over as the lead). A failed final save is
             made again from memory; when it cannot be made durable, every replica raises.
@@ -113,7 +114,8 @@ class SurvivingReplicas:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
                  micro_batches: int, seed: int = 0, checkpoint_interval: int | Literal["auto"] | None = None,
                  mtbf_s: float | None = None, faults: str = "", timeout_s: float = 30.0,
-                 max_failed_saves_in_a_row: int = 3, goodput_logger: MetricsLogger | str | None = "mlflow",
+                 max_failed_saves_in_a_row: int = 3, save_timeout_s: float = 600.0,
+                 goodput_logger: MetricsLogger | str | None = "mlflow",
                  goodput_log_every: int = 50):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
@@ -148,6 +150,7 @@ class SurvivingReplicas:
         # The lead's checkpoints, as a one-rank job (the others never stage, write or hold the lease).
         self._session = CheckpointSession(self._storage, 0, self._faults,
                                           max_failed_saves_in_a_row=max_failed_saves_in_a_row,
+                                          save_timeout_s=save_timeout_s,
                                           on_durable=lambda step, t: self._goodput.durable(step, t))
         self._last_durable_seconds = 0.0  # how long the lead's newest durable save took to be durable
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
@@ -462,10 +465,10 @@ class SurvivingReplicas:
         """Save the last step (unless saved) and wait until it is durable. The state is still in
         memory, so a failed final save is made again, until too many failed in a row
         (:class:`CheckpointSaveError`)."""
-        self._record_saves(self._session.writer.collect())
+        self._record_saves(self._session.collect_all())
         while self._durable_step != self.step:
             self._save()  # every staging set is free: the saves in flight were collected
-            self._record_saves(self._session.writer.collect())
+            self._record_saves(self._session.collect_all())
 
     def _record_saves(self, results: list[SaveResult]) -> None:
         """Count the lead's finished saves (too many failed in a row raise :class:`CheckpointSaveError`)."""
