@@ -35,6 +35,7 @@ from ray_resilient.data import (
     VolumeImageDataset,
     default_transform,
 )
+from ray_resilient.data.cache import entry_name
 from ray_resilient.data.dataset import read_bytes
 from ray_resilient.data.prefetch import Prefetcher
 from ray_resilient.data.s3_get import SignedGetReader
@@ -588,17 +589,18 @@ def test_a_download_killed_midway_leaves_no_corrupt_cached_file(tmp_path):
         FileCache({str(cache_dir)!r}).fetch("big.bin", 1 << 20, download)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script])
+    cached = cache_dir / entry_name("big.bin")
     with open(fifo, "wb") as writer:
         writer.write(b"x" * 300_000)
         writer.flush()
-        while not any(p.stat().st_size >= 200_000 for p in cache_dir.glob("big.bin.tmp-*")):
+        while not any(p.stat().st_size >= 200_000 for p in cached.parent.glob(f"{cached.name}.tmp-*")):
             assert proc.poll() is None
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert not (cache_dir / "big.bin").exists()
-    assert list(cache_dir.glob("big.bin.tmp-*"))  # the leftover, until the next cache opens
+    assert not cached.exists()
+    assert list(cached.parent.glob(f"{cached.name}.tmp-*"))  # the leftover, until the next cache opens
     cache = FileCache(str(cache_dir))
-    assert not list(cache_dir.glob("big.bin.tmp-*"))
+    assert not list(cached.parent.glob(f"{cached.name}.tmp-*"))
 
     def download(dest: str) -> int:
         with open(dest, "wb") as out:
@@ -760,7 +762,7 @@ def test_fsspec_url_volume(image_dir, tmp_path):
     dataset = VolumeImageDataset(volume, global_batch=4, seed=1, streaming=StreamingConfig(str(tmp_path / "cache")))
     ids = [i for b in VolumeDataLoader(dataset, num_workers=0) for i in b.sample_ids.tolist()]
     assert sorted(ids) == list(range(12))
-    cached = [(tmp_path / "cache" / f.path).read_bytes() for f in volume.files]
+    cached = [(tmp_path / "cache" / entry_name(f.path)).read_bytes() for f in volume.files]
     assert cached == [(Path(image_dir) / f.path).read_bytes() for f in volume.files]
 
 

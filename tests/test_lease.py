@@ -11,7 +11,7 @@ import pytest
 from ray_resilient.checkpoint.lease import LEASE_FILE, RunLease, RunLeaseHeldError, RunLeaseLostError
 from ray_resilient.testing import wait_until
 
-FAST = {"ttl_s": 2.0, "renew_every_s": 0.2}
+FAST = {"ttl_s": 2.0, "renew_every_s": 0.2, "settle_s": 0.2}
 LIVE = {"ttl_s": 20.0, "renew_every_s": 0.5}  # renewals far within the expiry, even on a loaded machine
 
 
@@ -33,11 +33,11 @@ def test_a_live_run_keeps_the_lease_and_a_second_run_is_refused_naming_it(run_di
         with pytest.raises(RunLeaseHeldError) as refused:
             RunLease(filesystem, path, "run-b", **LIVE).acquire()
         assert "Ray Train run run-a" in str(refused.value) and "another run name" in str(refused.value)
-        assert first.read().run_id == "run-a"
+        assert first.read_record().run_id == "run-a"
         first.check()  # still the holder
     finally:
         first.release()
-    assert first.read() is None  # released at the end of the run
+    assert first.read_record() is None  # released at the end of the run
 
 
 def test_a_restarted_attempt_of_the_same_run_takes_its_lease_back_at_once(run_dir):
@@ -46,11 +46,11 @@ def test_a_restarted_attempt_of_the_same_run_takes_its_lease_back_at_once(run_di
     killed = RunLease(filesystem, path, "run-a", ttl_s=3600, renew_every_s=0.2)
     killed.acquire()
     killed.stop()  # the attempt was killed: its lease runs for an hour more
-    before = killed.read()
+    before = killed.read_record()
     restarted = RunLease(filesystem, path, "run-a", ttl_s=3600, renew_every_s=0.2)
     restarted.acquire()  # without waiting for the expiry (the test would time out)
     try:
-        assert restarted.read().renewed > before.renewed
+        assert restarted.read_record().renewed > before.renewed
     finally:
         restarted.release()
 
@@ -61,12 +61,12 @@ def test_a_lease_its_driver_stopped_renewing_is_taken_over_once_expired(run_dir)
     dead = RunLease(filesystem, path, "run-a", **FAST)
     dead.acquire()
     dead.stop()  # its driver died: no more renewals
-    expires = dead.read().expires
+    expires = dead.read_record().expires
     successor = RunLease(filesystem, path, "run-b", **FAST)
     successor.acquire()
     try:
         assert time.time() >= expires  # not taken while still valid
-        assert successor.read().run_id == "run-b"
+        assert successor.read_record().run_id == "run-b"
     finally:
         successor.release()
 
@@ -80,10 +80,87 @@ def test_a_holder_whose_lease_was_taken_over_stops_and_commits_nothing(run_dir):
         with filesystem.open_output_stream(f"{path}/{LEASE_FILE}") as out:
             out.write(json.dumps({"run_id": "run-b", "holder": "host x pid 1", "renewed": 0.0,
                                   "expires": 1e12}).encode())
-        return holder.lost_to is not None
+        return holder.lost is not None
 
     wait_until(other_run_writes, timeout=30, what="the holder's renewal to notice")
     with pytest.raises(RunLeaseLostError, match="run-b"):
         holder.check()
     holder.release()
-    assert holder.read().run_id == "run-b"  # never deletes another run's lease
+    assert holder.read_record().run_id == "run-b"  # never deletes another run's lease
+
+
+def test_a_holder_whose_clock_is_a_minute_behind_keeps_its_lease(run_dir):
+    """Its lease says it expired a minute ago by the taker's clock: expiry is watched, not trusted."""
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    behind = RunLease(filesystem, path, "run-a", **FAST, clock=lambda: time.time() - 60)
+    behind.acquire()
+    try:
+        assert behind.read_record().expires < time.time()  # "expired", by the taker's clock
+        with pytest.raises(RunLeaseHeldError, match="run-a"):
+            RunLease(filesystem, path, "run-b", **FAST).acquire()
+        behind.verify()  # still the holder
+    finally:
+        behind.release()
+
+
+def test_a_lease_file_overwritten_with_garbage_ends_the_holder_loudly(run_dir):
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    holder = RunLease(filesystem, path, "run-a", **FAST)
+    holder.acquire()
+    with filesystem.open_output_stream(f"{path}/{LEASE_FILE}") as out:
+        out.write(b"{}")
+    wait_until(lambda: holder.lost is not None, timeout=30, what="the holder's renewal to notice")
+    with pytest.raises(RunLeaseLostError, match="no longer parses"):
+        holder.check()
+    holder.stop()
+    assert holder._thread is None
+
+
+def test_a_commit_rereads_the_lease_instead_of_trusting_the_last_renewal(run_dir):
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    holder = RunLease(filesystem, path, "run-a", ttl_s=3600, renew_every_s=1800, settle_s=0.0)
+    holder.acquire()
+    with filesystem.open_output_stream(f"{path}/{LEASE_FILE}") as out:
+        out.write(json.dumps({"run_id": "run-b", "holder": "host x pid 1", "renewed": 0.0, "expires": 0.0}).encode())
+    holder.check()  # no renewal ran since: the flag alone cannot know
+    with pytest.raises(RunLeaseLostError, match="run-b"):
+        holder.verify()
+    holder.release()
+    assert holder.read_record().run_id == "run-b"
+
+
+def test_two_takers_of_a_dead_runs_lease_at_the_same_moment_one_goes_on(run_dir):
+    """Both watched the same dead lease and write theirs at once: exactly one goes on, the other is
+    refused before it lists, writes or deletes anything."""
+    import threading
+
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    dead = RunLease(filesystem, path, "run-dead", **FAST)
+    dead.acquire()
+    dead.stop()
+    takers = [RunLease(filesystem, path, f"run-{name}", **{**FAST, "settle_s": 1.0}) for name in "bc"]
+    start = threading.Barrier(2)
+    outcomes: dict[str, BaseException | None] = {}
+
+    def take(lease: RunLease) -> None:
+        start.wait()
+        try:
+            lease.acquire()
+            outcomes[lease.run_id] = None
+        except RunLeaseHeldError as err:
+            outcomes[lease.run_id] = err
+
+    threads = [threading.Thread(target=take, args=(lease,)) for lease in takers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    winners = [run for run, error in outcomes.items() if error is None]
+    assert len(outcomes) == 2 and len(winners) == 1, outcomes
+    assert takers[0].read_record().run_id == winners[0]
+    for lease in takers:
+        lease.release()

@@ -2,18 +2,23 @@
 
 Two drivers started with the same run name and storage path would write the same checkpoint
 directory names, and each one's cleanup would delete the other's saves in flight. So rank 0
-takes a lease (``<run dir>/.lease``: Ray Train's run id, the holder, the expiry) before it
+takes a lease (``<run dir>/.lease``: Ray Train's run id, the holder, its renewal time) before it
 lists or deletes anything, and renews it from a background thread. Ray Train's run id is the
 same in every attempt of one ``trainer.fit()`` and new for every driver, so a restarted attempt
 takes the lease straight back, and another driver's run finds it held and stops with
-:class:`RunLeaseHeldError`, which names the holder. A lease that is not renewed (its driver
-died) is taken over once it expires, at most ``ttl_s`` after its last renewal; one that is
-renewed while it is watched belongs to a live run.
+:class:`RunLeaseHeldError`, which names the holder.
 
-Storage offers no compare-and-swap (S3 through pyarrow), so two runs taking an expired lease at
-the same moment could both write it: every renewal reads the lease first, and a holder that
-finds another run's id there has lost it (:class:`RunLeaseLostError`): it commits no further
-checkpoint and stops at its next step.
+Clocks of different machines disagree, so the times in another run's lease are never trusted:
+a taker watches the lease file for ``ttl_s`` on its own monotonic clock. A lease that changes
+meanwhile (renewed) belongs to a live run; one left unchanged that long (its driver died) is
+taken over.
+
+Storage offers no compare-and-swap here (S3 through pyarrow), so two runs taking a lease at the
+same moment could both write it. Each taker reads the lease back ``settle_s`` after writing it
+and only the one whose record is there goes on (the other stops before it lists, writes or
+deletes anything); every renewal reads the lease first, and a commit re-reads it
+(:meth:`RunLease.verify`): a holder that finds another run's id there, or a lease file that does
+not parse, has lost it (:class:`RunLeaseLostError`) and commits no further checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import pyarrow.fs as pafs
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 LEASE_FILE = ".lease"
 TTL_S = 30.0  # a lease not renewed for this long is taken over (its driver is gone)
 RENEW_EVERY_S = 5.0
+SETTLE_S = 0.5  # a new holder reads its lease back this long after writing it
 
 
 class RunLeaseHeldError(UnrecoverableRunError):
@@ -42,27 +49,41 @@ class RunLeaseHeldError(UnrecoverableRunError):
 
 
 class RunLeaseLostError(UnrecoverableRunError):
-    """Another run took over this run's directory while it trained."""
+    """Another run took over this run's directory while it trained (or its lease was destroyed)."""
 
 
 @dataclass(frozen=True)
 class LeaseRecord:
-    """The content of the lease file."""
+    """The content of the lease file (its times are the holder's clock: for people, not for expiry)."""
 
     run_id: str
     holder: str  # host and process of the holding rank 0
-    renewed: float  # wall-clock time of the last renewal
+    renewed: float  # the holder's wall-clock time of the last renewal
     expires: float
 
     def describe(self) -> str:
-        return f"Ray Train run {self.run_id} ({self.holder}, renewed {time.time() - self.renewed:.0f}s ago)"
+        return f"Ray Train run {self.run_id} ({self.holder})"
+
+
+def parse_lease(data: bytes) -> LeaseRecord | None:
+    """The record in a lease file's bytes; None when they are not one."""
+    try:
+        fields = json.loads(data)
+        record = LeaseRecord(**fields)
+    except (ValueError, TypeError):
+        return None
+    if not (isinstance(record.run_id, str) and isinstance(record.holder, str)
+            and all(isinstance(t, (int, float)) for t in (record.renewed, record.expires))):
+        return None
+    return record
 
 
 class RunLease:
     """The lease of ``run_id`` on the run directory ``experiment_path`` (see the module docstring)."""
 
     def __init__(self, filesystem: pafs.FileSystem, experiment_path: str, run_id: str, *,
-                 ttl_s: float = TTL_S, renew_every_s: float = RENEW_EVERY_S):
+                 ttl_s: float = TTL_S, renew_every_s: float = RENEW_EVERY_S, settle_s: float = SETTLE_S,
+                 clock: Callable[[], float] = time.time):
         if not 0 < renew_every_s < ttl_s:
             raise ValueError(f"the lease needs 0 < renew_every_s < ttl_s, got {renew_every_s}, {ttl_s}")
         self.filesystem = filesystem
@@ -70,8 +91,10 @@ class RunLease:
         self.run_id = run_id
         self.ttl_s = ttl_s
         self.renew_every_s = renew_every_s
+        self.settle_s = settle_s
         self.holder = f"host {socket.gethostname()} pid {os.getpid()}"
-        self.lost_to: LeaseRecord | None = None
+        self.lost: str | None = None  # why this holder lost the lease
+        self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,53 +106,73 @@ class RunLease:
     def acquire(self) -> None:
         """Take the lease, and keep renewing it until :meth:`release`.
 
-        A lease of another run is watched until it is renewed (that run is alive:
-        :class:`RunLeaseHeldError`) or expires (it is taken over); at most ``ttl_s``.
+        Another run's lease (or a file that does not parse) is watched for ``ttl_s``: renewed
+        meanwhile, :class:`RunLeaseHeldError`; unchanged or removed, it is taken over. A taker
+        that finds another run's record on reading its own back also gets :class:`RunLeaseHeldError`.
         """
-        found = self.read()
-        if found is not None and found.run_id != self.run_id:
-            if found.expires > time.time():
-                logger.warning("The run directory is leased by %s; waiting up to %.0fs to see whether it is renewed",
-                               found.describe(), found.expires - time.time())
-                found = self._watch(found)
+        found = self._read_bytes()
+        record = parse_lease(found) if found is not None else None
+        if found is None or record is None or record.run_id != self.run_id:
             if found is not None:
-                logger.warning("Taking over the lease of %s: not renewed for %.0fs, its driver is gone",
-                               found.describe(), time.time() - found.renewed)
-        self._write()
+                logger.warning("The run directory is leased by %s; watching it for %.0fs to see whether it is "
+                               "renewed", record.describe() if record else "an unreadable lease file", self.ttl_s)
+                if self._watch(found):
+                    logger.warning("Taking over the lease of %s: not renewed for %.0fs, its driver is gone",
+                                   record.describe() if record else "an unreadable lease file", self.ttl_s)
+            self._write()
+            self._stop.wait(self.settle_s)  # a taker writing at the same moment: the last write stands
+            current = self.read_record()
+            if current is None or current.run_id != self.run_id:
+                raise self._held_error(current)
+        else:
+            self._write()
         self._thread = threading.Thread(target=self._renew, name="ray_resilient_lease", daemon=True)
         self._thread.start()
 
-    def _watch(self, found: LeaseRecord) -> LeaseRecord | None:
-        """Watch another run's lease until it expires (returned, to be taken over) or is released
-        (None); raise :class:`RunLeaseHeldError` as soon as it is renewed."""
-        deadline = min(found.expires, time.time() + self.ttl_s)
-        while time.time() < deadline:
-            self._stop.wait(min(self.renew_every_s / 4, max(deadline - time.time(), 0.0)))
-            current = self.read()
-            if current is None or current.run_id == self.run_id:
-                return None
+    def _watch(self, found: bytes) -> bool:
+        """Watch the lease file, holding ``found``, for ``ttl_s`` on this machine's monotonic clock:
+        True when unchanged that long (to be taken over), False when removed or retaken by this run;
+        :class:`RunLeaseHeldError` as soon as another run renews it."""
+        deadline = time.monotonic() + self.ttl_s
+        while (left := deadline - time.monotonic()) > 0:
+            self._stop.wait(min(self.renew_every_s / 4, left))
+            current = self._read_bytes()
+            if current is None:
+                return False
             if current != found:
-                raise RunLeaseHeldError(
-                    f"the run directory {self.path.rsplit('/', 1)[0]} is in use by {current.describe()}: "
-                    "another driver runs this run name on this storage path. Stop that driver first, or start "
-                    "this job under another run name. (A lease its driver stops renewing is taken over after "
-                    f"{self.ttl_s:.0f}s.)"
-                )
-        return found
+                record = parse_lease(current)
+                if record is not None and record.run_id == self.run_id:
+                    return False
+                raise self._held_error(record)
+        return True
+
+    def _held_error(self, record: LeaseRecord | None) -> RunLeaseHeldError:
+        return RunLeaseHeldError(
+            f"the run directory {self.path.rsplit('/', 1)[0]} is in use by "
+            f"{record.describe() if record else 'a writer of an unreadable lease file'}: another driver runs this "
+            "run name on this storage path. Stop that driver first, or start this job under another run name. "
+            f"(A lease its driver stops renewing is taken over after {self.ttl_s:.0f}s.)"
+        )
 
     def check(self) -> None:
-        """Raise :class:`RunLeaseLostError` if another run took the lease over."""
-        if self.lost_to is not None:
-            raise RunLeaseLostError(
-                f"{self.lost_to.describe()} took over the lease of this run's directory: another driver runs this "
-                "run name on this storage path. This run stops writing; its committed checkpoints are that run's now."
-            )
+        """Raise :class:`RunLeaseLostError` if a renewal found the lease lost (no storage read)."""
+        if self.lost is not None:
+            raise RunLeaseLostError(f"{self.lost}. This run stops writing; its committed checkpoints are kept.")
+
+    def verify(self) -> None:
+        """Read the lease and raise :class:`RunLeaseLostError` unless this run holds it (before a commit)."""
+        self.check()
+        data = self._read_bytes()
+        record = parse_lease(data) if data is not None else None
+        if record is None or record.run_id != self.run_id:
+            self._lose(record, data)
+            self.check()
 
     def release(self) -> None:
         """Stop renewing and remove the lease if this object took it and still holds it: the run has ended."""
         held = self.held
         self.stop()
-        if held and self.lost_to is None and (record := self.read()) is not None and record.run_id == self.run_id:
+        if held and self.lost is None and (record := self.read_record()) is not None and record.run_id == self.run_id:
             self.filesystem.delete_file(self.path)
 
     def stop(self) -> None:
@@ -139,15 +182,30 @@ class RunLease:
             self._thread.join()
             self._thread = None
 
-    def read(self) -> LeaseRecord | None:
+    def read_record(self) -> LeaseRecord | None:
+        """The lease's record; None when there is none or it does not parse."""
+        data = self._read_bytes()
+        return parse_lease(data) if data is not None else None
+
+    def _read_bytes(self) -> bytes | None:
         try:
             with self.filesystem.open_input_stream(self.path) as stream:
-                return LeaseRecord(**json.loads(stream.read()))
+                return stream.read()
         except FileNotFoundError:
             return None
 
+    def _lose(self, record: LeaseRecord | None, data: bytes | None) -> None:
+        if record is not None:
+            self.lost = f"{record.describe()} took over the lease of this run's directory: another driver runs " \
+                        "this run name on this storage path"
+        elif data is None:
+            self.lost = f"the lease file {self.path} was removed while this run held it"
+        else:
+            self.lost = f"the lease file {self.path} no longer parses ({data[:80]!r}): something else wrote it"
+        logger.error("Lost the run directory's lease: %s", self.lost)
+
     def _write(self) -> None:
-        now = time.time()
+        now = self._clock()
         record = LeaseRecord(self.run_id, self.holder, now, now + self.ttl_s)
         data = json.dumps(asdict(record)).encode()
         if isinstance(self.filesystem, pafs.LocalFileSystem):  # readers never see half a file
@@ -161,10 +219,10 @@ class RunLease:
     def _renew(self) -> None:
         while not self._stop.wait(self.renew_every_s):
             try:
-                record = self.read()
-                if record is not None and record.run_id != self.run_id:
-                    self.lost_to = record
-                    logger.error("Lost the run directory's lease to %s", record.describe())
+                data = self._read_bytes()
+                record = parse_lease(data) if data is not None else None
+                if record is None or record.run_id != self.run_id:
+                    self._lose(record, data)
                     return
                 self._write()
             except OSError as err:  # storage hiccup: the next renewal retries, well before the expiry

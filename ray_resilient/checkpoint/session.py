@@ -56,7 +56,7 @@ class CheckpointSession:
         self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
         self.lease = RunLease(storage.filesystem, storage.experiment_path, run_id or train_run_id())
         self.writer = AsyncCheckpointWriter(storage, rank, faults, staging_buffers=staging_buffers,
-                                            write_threads=write_threads, before_commit=self.lease.check,
+                                            write_threads=write_threads, before_commit=self.lease.verify,
                                             on_durable=on_durable)
         self.deferred = False  # a due save waits for a free set of staging buffers
         self.deferred_saves = 0  # due saves that waited (writes slower than the interval)
