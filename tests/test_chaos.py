@@ -306,3 +306,45 @@ def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wast
     history = client.get_metric_history(run.info.run_id, "goodput/goodput")
     assert len(history) >= 2 and all(0 < m.value < 1 for m in history)
     assert "goodput/badput_wasted" in run.data.metrics
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_stopped_worker_is_declared_hung_within_seconds_and_the_run_ends_bitwise(reference, tmp_path):
+    """Rank 1 of the test job is SIGSTOPped from outside once it trained 8 steps (0.1 s steps). Its
+    heartbeats stop; the hang watchdog declares it hung after the 5 s floor (10 x its p99 step is
+    1 s), kills it, and Ray restarts the worker group at once (its own worker health check would
+    wait 600 s). The run ends bitwise like the uninterrupted one; the ledger, the breakdown and the
+    report show the hang."""
+    import signal
+    import threading
+
+    from ray_resilient.goodput import account
+    from ray_resilient.goodput.report import render_report
+
+    record, storage = tmp_path / "rec", tmp_path / "storage"
+    record.mkdir()
+    outcome: dict[str, Any] = {}
+    run = threading.Thread(target=lambda: outcome.update(result=trainlib.run_job(
+        trainlib.train_fn, trainlib.job_config(record, step_seconds=0.1), str(storage), "hang", max_failures=1)))
+    run.start()
+    try:
+        wait_until(lambda: _steps_recorded(record, 1) >= 8, timeout=300, what="rank 1 to train 8 steps")
+        stopped = trainlib.read_attempts(str(record), rank=1)[0]["pid"]
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.time()
+    finally:
+        run.join(timeout=600)
+    assert outcome["result"].error is None
+    assert [a["restored_step"] for a in trainlib.read_attempts(str(record))][0] == 0
+    assert len(trainlib.read_attempts(str(record))) == 2 and not trainlib.alive(stopped)
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
+    assert trainlib.kept_global_batches(str(record)) == trainlib.kept_global_batches(str(reference["record"]))
+
+    events = read_events(pafs.LocalFileSystem(), str(storage / "hang"))
+    hang, = [e for e in events if e["kind"] == "hang"]
+    assert hang["hung_rank"] == 1 and hang["pid"] == stopped and "does not answer" in hang["error"]
+    assert 5.0 <= hang["t"] - hang["t_start"] < 8.0 and hang["t"] - stopped_at < 8.0, hang
+    breakdown = account(events)
+    assert 0.8 * (hang["t"] - hang["t_start"]) <= breakdown.hang <= hang["t"] - hang["t_start"]
+    assert breakdown.failures == 1
+    assert any(line.split()[:1] == ["hang"] for line in render_report(str(storage / "hang"), None).splitlines())

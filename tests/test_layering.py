@@ -7,7 +7,8 @@ not executed). The layers, bottom up (README, "How it fits together"):
   API), ``_lazy``, ``storage`` (a path or URI to a filesystem, a run's storage), ``faults``,
   ``tracking``;
 - ``data`` and ``goodput``, which know nothing of each other or of checkpoints;
-- ``spare_workers``; then ``checkpoint``, which feeds the goodput ledger; then ``survivors``
+- ``spare_workers`` and ``watchdog`` (hang detection, which records into the goodput ledger);
+  then ``checkpoint``, which feeds the goodput ledger; then ``survivors``
   (survivor mode), which writes its checkpoints with ``checkpoint``'s parts;
 - the front: ``ray_config``, ``connect`` (a driver's ``ray.init``), ``status`` (where a run
   stands), ``cli``, the package's lazy ``__init__``; beside it ``testing``, the rig.
@@ -47,7 +48,8 @@ ALLOWED = {
     "data": BASE,
     "goodput": BASE,
     "spare_workers": BASE,
-    "checkpoint": BASE | {"goodput", "spare_workers"},
+    "watchdog": BASE | {"goodput"},
+    "checkpoint": BASE | {"goodput", "spare_workers", "watchdog"},
     "survivors": BASE | {"checkpoint", "goodput", "spare_workers"},
     "ray_config": BASE | {"checkpoint", "goodput", "spare_workers", "survivors"},
     "connect": set(),
@@ -58,7 +60,8 @@ ALLOWED = {
 }
 # The public line: these modules' ``__all__`` names; everything else in the package is internal.
 PUBLIC = ("ray_resilient", "ray_resilient.checkpoint", "ray_resilient.data", "ray_resilient.goodput",
-          "ray_resilient.storage", "ray_resilient.survivors", "ray_resilient.testing", "ray_resilient.tracking")
+          "ray_resilient.storage", "ray_resilient.survivors", "ray_resilient.testing", "ray_resilient.tracking",
+          "ray_resilient.watchdog")
 OUTSIDE = ("jobs", "benchmarks", "notebooks", "examples", "cluster", "scripts")  # code that uses the package
 SCANNED = ("ray_resilient", "tests", *OUTSIDE)  # the whole repository's code
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import time
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -41,10 +44,13 @@ from ray_resilient.checkpoint.writer import SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
 from ray_resilient.tracking import MetricsLogger
+from ray_resilient.watchdog.monitor import HangWatchdog, watchdog_address
+from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
 
 logger = logging.getLogger(__name__)
 
 RECENT_SAVES = 100  # SaveResults kept in Checkpointer.recent_saves
+WATCHDOG_START_TIMEOUT_S = 60.0  # how long the end of a restore waits for the hang watchdog to hear this rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +116,10 @@ class Checkpointer:
             steps: ``"mlflow"`` (the MLflow run of this Ray Train run, metrics ``goodput/...``),
             a callable ``(metrics, step)``, or None. The goodput ledger itself is always kept
             (``<run dir>/goodput``, see :mod:`ray_resilient.goodput`).
+        hang_watchdog: when a rank that makes no progress is declared hung, killed, and the worker
+            group restarted (:mod:`ray_resilient.watchdog`: by default after ``max(5 s, 10 x`` its
+            p99 step time``)``, 600 s for the restore, the first 3 steps and a save's staging);
+            None: only Ray's worker health check (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
         attempt_hooks: called at points of each attempt
             (:class:`~ray_resilient.checkpoint.hooks.AttemptHook`). Spare workers
             (:mod:`ray_resilient.spare_workers`) are requested through one when the run's
@@ -137,6 +147,7 @@ class Checkpointer:
         faults: str | None = None,
         goodput_logger: MetricsLogger | str | None = "mlflow",
         goodput_log_every: int = 50,
+        hang_watchdog: HangWatchdogConfig | None = HangWatchdogConfig(),
         attempt_hooks: Sequence[AttemptHook] = (),
     ):
         self.policy = SavePolicy(interval_steps, mtbf_s=mtbf_s, preemption_check_steps=preemption_check_steps)
@@ -163,6 +174,7 @@ class Checkpointer:
         # The training thread's own collectives (which saves finished, the auto interval): the
         # writer's group is busy on its thread, and the training group may be NCCL.
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        self._watchdog, self._progress = self._start_watchdog(hang_watchdog) if hang_watchdog else (None, None)
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt: int | None = None  # this attempt's number, known once restore() ran
@@ -185,6 +197,31 @@ class Checkpointer:
     def __enter__(self) -> "Checkpointer":
         return self
 
+    def _start_watchdog(self, config: HangWatchdogConfig) -> tuple[Any, ProgressReporter]:
+        """Rank 0 starts this attempt's watchdog actor (it owns it); every rank reports to it (its
+        reporter's thread connects while the training thread goes on)."""
+        watchdog, name = None, None
+        if self.rank == 0:
+            name = f"ray_resilient_watchdog_{uuid.uuid4().hex}"
+            watchdog = HangWatchdog.options(name=name).remote(self.storage)
+        name = broadcast_from_rank0(self._writer.group, name)
+        identity = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                    "node_id": ray.get_runtime_context().get_node_id()}
+        return watchdog, ProgressReporter(config, lambda: watchdog_address(name), identity)
+
+    def _note(self, phase: str, startup: bool = False) -> None:
+        """Tell the hang watchdog the training thread began ``phase`` (see :class:`ProgressReporter`)."""
+        if self._progress is not None:
+            self._progress.phase(phase, startup)
+
+    def _stop_watchdog(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if self._watchdog is not None:
+            ray.kill(self._watchdog)
+            self._watchdog = None
+
     def __exit__(self, exc_type: Any, exc: BaseException | None, *traceback: Any) -> None:
         if exc is None:
             self.close()
@@ -192,6 +229,7 @@ class Checkpointer:
             # Failing: registering would be a barrier the other ranks never reach; the
             # worker group is about to restart from the newest complete checkpoint anyway.
             self.goodput.failure(exc)
+            self._stop_watchdog()
             self._session.close(exc)
             self.goodput.close()
 
@@ -209,6 +247,7 @@ class Checkpointer:
         (:mod:`ray_resilient.checkpoint.lease`); ``RunLeaseHeldError`` when another driver's run holds it.
         """
         started, wall_started = time.monotonic(), time.time()
+        self._note("restore", startup=True)
         group = self._writer.group
         registered = ray.train.get_checkpoint()
         registered_path = registered.path if registered is not None else None
@@ -248,6 +287,9 @@ class Checkpointer:
         return self.train_state
 
     def _restored(self, wall_started: float) -> None:
+        if self._progress is not None:  # started with the attempt, it came up while this rank restored
+            self._progress.wait_connected(WATCHDOG_START_TIMEOUT_S)
+        self._note("training")
         self.policy.restored(self.train_state.step, self.train_state.interval_steps)
         self.goodput.restored(wall_started, self.train_state.step)
         self._fetch_seen = self._data_fetch_seconds()
@@ -269,6 +311,8 @@ class Checkpointer:
         self._last_metrics = dict(metrics or {})
         self.goodput.step(state.step, self._mark, ended, fetched - self._fetch_seen)
         self.policy.step_finished(ended - self._mark)
+        if self._progress is not None:
+            self._progress.step(ended - self._mark)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
         if not self._first_step_done:
@@ -276,12 +320,16 @@ class Checkpointer:
             for hook in self._hooks:
                 hook.first_step()
         if self._session.deferred or self.policy.due(state.step):
+            self._note("save", startup=True)
             self._checkpoint(metrics or {})
             if not self._session.deferred:
                 durable = self.last_save.durable_seconds if self.last_save is not None else 0.0
                 self.policy.saved(state.step, self.last_stall_seconds, durable, self._control)
+            self._note("training")
         elif self.policy.preemption_imminent(state.step):
+            self._note("preemption save", startup=True)
             self._checkpoint(metrics or {}, wait=True)
+            self._note("training")
         self._mark = time.time()
 
     def finish(self, metrics: Mapping[str, Any] | None = None) -> SaveResult | None:
@@ -291,6 +339,7 @@ class Checkpointer:
         goodput. Raises CheckpointSaveError if the final checkpoint could not be made durable.
         """
         metrics = self._last_metrics if metrics is None else metrics
+        self._note("final save", startup=True)
         if self._last_saved_step == self.train_state.step and not self._writer.in_flight:
             # The last step's checkpoint is already registered: report the final metrics alone.
             ray.train.report({**metrics, **self.goodput.metrics(), "step": self.train_state.step,
@@ -309,11 +358,14 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the saves in flight (registering them), then release the writer's resources."""
+        self._note("closing", startup=True)
         try:
             self._collect_saves(wait=True)
         except BaseException as err:  # a hung write: abandoned, the lease left to the restart
+            self._stop_watchdog()
             self._session.close(err)
             raise
+        self._stop_watchdog()
         self._session.close()
         if self._control is not None:
             dist.destroy_process_group(self._control)

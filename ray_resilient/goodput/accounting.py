@@ -11,9 +11,11 @@ start) to its last event. It is split into parts that add up to it:
 - ``data_wait``: time kept steps spent waiting for their batch (the loader's ``fetch_seconds``).
 - ``save_stall``: time the loop stopped for checkpoint saves (staging; the final save is waited for).
 - ``restore``: time loading checkpoints at the start of attempts.
+- ``hang``: from a rank's last progress to the hang watchdog declaring it hung
+  (:mod:`ray_resilient.watchdog`): the end of the hung attempt, which no step or save covers.
 - ``init_restart``: from the run's start, or from the previous attempt's last event (the rest of
   a killed attempt's last step included), to the attempt's first work: starting the driver and
-  the workers, building the model, failure detection, restarts.
+  the workers, building the model, failure detection (but a hang's), restarts.
 - ``other``: the remainder: time the loop spent outside the events (e.g. after the last step).
 
 In survivor mode (:mod:`ray_resilient.survivors`) the lead replica records the run as its rank 0.
@@ -35,7 +37,7 @@ from typing import Any
 
 from ray_resilient.goodput.events import EventKind
 
-PARTS = ("productive", "wasted", "data_wait", "save_stall", "restore", "init_restart", "other")
+PARTS = ("productive", "wasted", "data_wait", "save_stall", "restore", "hang", "init_restart", "other")
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class Breakdown:
     data_wait: float = 0.0
     save_stall: float = 0.0
     restore: float = 0.0
+    hang: float = 0.0
     init_restart: float = 0.0
     other: float = 0.0
     attempts: int = 0
@@ -144,7 +147,9 @@ def lost_after(attempts: list[Attempt], index: int) -> int | None:
 
 def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Breakdown:
     """The breakdown of a run's wall time from its events (up to ``now``, default the last event)."""
+    events = list(events)
     attempts, job_starts = group_attempts(events)
+    hangs = [(e["t_start"], e["t"]) for e in events if e["kind"] == EventKind.HANG]
     result = Breakdown()
     if not attempts:
         return result
@@ -152,11 +157,13 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
     end = max(a.end for a in attempts) if now is None else now
     result.total = end - start
     result.attempts = len(attempts)
+    result.hang = sum(max(0.0, min(t, end) - max(t_start, start)) for t_start, t in hangs)
     boundary = start
     for index, attempt in enumerate(attempts):
         lost = lost_after(attempts, index)
         setup = max(0.0, attempt.first_work() - boundary)
-        result.init_restart += setup
+        hung = sum(max(0.0, min(t, attempt.first_work()) - max(t_start, boundary)) for t_start, t in hangs)
+        result.init_restart += max(0.0, setup - hung)  # a hang that ran into this gap is the hang's
         # A save's durable event may come before the save's own (the writer's thread records it).
         save_started = {e["step"]: e["t_start"] for e in attempt.events if e["kind"] == EventKind.SAVE}
         restored = 0.0

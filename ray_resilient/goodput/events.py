@@ -20,6 +20,7 @@ class EventKind(str, Enum):
     STEP_DISCARDED = "step_discarded"  # survivor mode: a step dropped by a replica loss; step, t_start, world_size
     MEMBERSHIP = "membership"  # survivor mode: the replicas changed; step, world_size, lost, joined
     PEER_RECOVERY = "peer_recovery"  # survivor mode: state copied from a live replica; t_start, step, replicas, bytes
+    HANG = "hang"  # the watchdog declared a rank hung: t_start (its last progress), hung_rank, host, phase, error
 
     def __str__(self) -> str:
         return self.value
@@ -40,4 +41,5 @@ REQUIRED_FIELDS: dict[EventKind, tuple[str, ...]] = {
     EventKind.STEP_DISCARDED: ("step", "t_start"),
     EventKind.MEMBERSHIP: ("step", "lost"),
     EventKind.PEER_RECOVERY: ("t_start", "step"),
+    EventKind.HANG: ("t_start",),
 }

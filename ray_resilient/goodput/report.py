@@ -13,6 +13,7 @@ from ray_resilient.goodput.planner import SECONDS_PER_DAY, Plan
 NOTES = (
     "wasted: steps lost to a failure and computed again (a later attempt restored an older checkpoint, "
     "or survivors dropped the step a lost replica was in)",
+    "hang: from a hung rank's last progress until the hang watchdog declared it hung",
     "init restart: from the run's start or an attempt's end to the next attempt's first work (startup, detection)",
 )
 # Timeline bars, drawn in this order: (category, label, colour).

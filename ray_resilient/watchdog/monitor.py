@@ -1,0 +1,157 @@
+"""The hang watchdog: an actor outside every rank that declares a rank hung and kills it.
+
+Each rank keeps one TCP connection to it (:class:`~ray_resilient.watchdog.progress.ProgressReporter`).
+Once a rank's progress counter has not moved for longer than the allowance it last sent, the
+attempt is hung: a stuck collective, a hung filesystem, a process stopped by its host or a lost
+node. The others soon stall too, waiting for it in their collectives, so the watchdog names one
+culprit: a rank that went silent (its heartbeats stopped: stopped, or its node lost) before one
+that still answers, and among those the one whose progress stopped first. It asks for the
+culprit's Python stack (a silent process does not answer), logs an error naming the rank, its
+host, its phase and the stack, records a ``hang`` event in the run's goodput ledger (from the
+last progress to now), and SIGKILLs the process through a task on its node; the others' broken
+collectives end the attempt. Ray Train then restarts the worker group as for a crash, seconds
+after the hang instead of after its worker health-check timeout (600 s by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_resilient.goodput.events import EventKind
+from ray_resilient.goodput.ledger import LedgerWriter
+from ray_resilient.storage.run import RunStorage
+
+logger = logging.getLogger(__name__)
+
+CHECK_EVERY_S = 0.25
+SILENT_S = 1.5  # a rank that sent nothing for this long has stopped (6 heartbeats missed)
+FIND_TIMEOUT_S = 60.0  # how long a rank looks for the watchdog rank 0 just created
+STACK_WAIT_S = 1.0  # how long a hung rank's own thread may take to send its stack
+WATCHDOG_RANK = -2  # the ledger's rank of the watchdog's events
+
+
+@dataclass
+class _Rank:
+    identity: dict[str, Any]  # rank, pid, node_id, host
+    writer: asyncio.StreamWriter
+    progress: int = -1
+    allowance: float = 0.0
+    phase: str = "start"
+    changed: float = field(default_factory=time.monotonic)  # when its progress last moved
+    heard: float = field(default_factory=time.monotonic)  # when it last sent anything
+    stack: asyncio.Future | None = None
+
+
+def watchdog_address(name: str) -> tuple[str, int]:
+    """Where the watchdog actor ``name`` listens (waits for rank 0 to have created it)."""
+    deadline = time.monotonic() + FIND_TIMEOUT_S
+    while True:
+        try:
+            return ray.get(ray.get_actor(name).start.remote(), timeout=FIND_TIMEOUT_S)
+        except ValueError:  # not registered yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@ray.remote(num_cpus=0)
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+@ray.remote(num_cpus=0)
+class HangWatchdog:
+    """One attempt's watchdog (see the module docstring); ``storage``: the run's, for the ledger."""
+
+    def __init__(self, storage: RunStorage):
+        self._storage = storage
+        self._ranks: dict[int, _Rank] = {}
+        self._declared: list[dict[str, Any]] = []
+        self._server: asyncio.base_events.Server | None = None
+        self._starting = asyncio.Lock()  # every rank calls start(), at once
+        self._checker: asyncio.Task | None = None
+
+    async def start(self) -> tuple[str, int]:
+        """Start listening (once); the host and port the ranks connect to."""
+        async with self._starting:
+            if self._server is None:
+                self._server = await asyncio.start_server(self._serve, ray.util.get_node_ip_address(), 0)
+                self._checker = asyncio.get_running_loop().create_task(self._check())
+        return ray.util.get_node_ip_address(), self._server.sockets[0].getsockname()[1]
+
+    def declared(self) -> list[dict[str, Any]]:
+        """The hangs declared so far."""
+        return list(self._declared)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        identity = json.loads(await reader.readline())
+        rank = _Rank(identity, writer)
+        self._ranks[identity["rank"]] = rank
+        try:
+            while line := await reader.readline():
+                message = json.loads(line)
+                rank.heard = time.monotonic()
+                if "stack" in message:
+                    if rank.stack is not None and not rank.stack.done():
+                        rank.stack.set_result(message["stack"])
+                    continue
+                if message["p"] != rank.progress:
+                    rank.progress, rank.changed = message["p"], time.monotonic()
+                rank.allowance, rank.phase = message["a"], message["ph"]
+        except (ConnectionError, ValueError):
+            pass
+        finally:  # the process ended (or died: Ray sees that itself)
+            if self._ranks.get(identity["rank"]) is rank:
+                del self._ranks[identity["rank"]]
+            writer.close()
+
+    async def _check(self) -> None:
+        """Declare one culprit once any rank overstays its allowance (see the module docstring)."""
+        while True:
+            await asyncio.sleep(CHECK_EVERY_S)
+            now = time.monotonic()
+            if not any(now - rank.changed > rank.allowance for rank in self._ranks.values()):
+                continue
+            culprit = min(self._ranks.values(), key=lambda r: (now - r.heard <= SILENT_S, r.changed))
+            others = ", ".join(f"rank {r.identity['rank']} {'silent' if now - r.heard > SILENT_S else 'answering'}, "
+                               f"no progress for {now - r.changed:.1f} s" for r in self._ranks.values() if r is not culprit)
+            await self._declare(culprit, now - culprit.changed, others or "no other rank connected")
+            return  # its death ends the attempt
+
+    async def _declare(self, rank: _Rank, age: float, others: str) -> None:
+        who = rank.identity
+        rank.stack = asyncio.get_running_loop().create_future()
+        try:
+            rank.writer.write(b"stack\n")
+            await rank.writer.drain()
+            stack = await asyncio.wait_for(rank.stack, STACK_WAIT_S)
+            doing = f"; its training thread is at:\n{stack}"
+        except (asyncio.TimeoutError, ConnectionError):
+            doing = "; it does not answer (stopped, or its node is lost)"
+        message = (f"rank {who['rank']} on {who['host']} (pid {who['pid']}) made no progress for {age:.1f} s "
+                   f"(allowed {rank.allowance:.1f} s) in {rank.phase!r}: declared hung, killing it so that Ray "
+                   f"restarts the worker group ({others}){doing}")
+        logger.error("%s", message)
+        now = time.time()
+        record = {"hung_rank": who["rank"], "host": who["host"], "pid": who["pid"], "phase": rank.phase,
+                  "error": message[:4000]}
+        self._declared.append({**record, "t": now, "t_start": now - age})
+        ledger = LedgerWriter(self._storage, WATCHDOG_RANK)
+        ledger.record(EventKind.HANG, t=now, t_start=now - age, **record)
+        ledger.close()
+        rank.writer.close()
+        try:
+            await _kill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(who["node_id"], soft=False)).remote(
+                who["pid"])
+        except Exception:  # noqa: BLE001 - gone already (its node too): Ray sees that itself
+            logger.warning("Could not kill the hung rank %s", who["rank"], exc_info=True)

@@ -1,0 +1,129 @@
+"""A rank's progress, reported to the run's hang watchdog from a thread of its own.
+
+The training thread only bumps a counter and names its phase (:meth:`ProgressReporter.step`,
+:meth:`ProgressReporter.phase`); a daemon thread sends them to the watchdog
+(:mod:`~ray_resilient.watchdog.monitor`) every :data:`HEARTBEAT_S`, with how long this rank may
+go without progress before it counts as hung: ``max(floor_s, step_multiple x p99 of its recent
+steps)``, or ``startup_allowance_s`` while it restores, compiles (its first steps) or stages a
+save. A process that stops (SIGSTOP, a lost node) stops sending: its last allowance runs out all
+the same. Asked for it, the thread sends the training thread's Python stack.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import sys
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.25
+STEP_WINDOW = 100  # recent steps whose p99 sets the allowance
+
+
+@dataclass(frozen=True)
+class HangWatchdogConfig:
+    """When a rank that makes no progress counts as hung (see the module docstring)."""
+
+    floor_s: float = 5.0
+    step_multiple: float = 10.0
+    startup_allowance_s: float = 600.0  # restore, the first ``startup_steps`` steps, a save's staging
+    startup_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if not (self.floor_s > 0 and self.step_multiple > 0 and self.startup_allowance_s > 0
+                and self.startup_steps >= 0):
+            raise ValueError(f"a hang watchdog needs positive allowances, got {self}")
+
+
+class ProgressReporter:
+    """This rank's link to the watchdog whose ``(host, port)`` ``address()`` returns, called on
+    the reporter's thread, so that the training thread never waits for the watchdog to start
+    (see the module docstring). ``identity``: the rank, pid, host and node id it reports as."""
+
+    def __init__(self, config: HangWatchdogConfig, address: Callable[[], tuple[str, int]], identity: dict):
+        self.config = config
+        self._progress, self._phase, self._allowance = 0, "start", config.startup_allowance_s
+        self._steps = 0
+        self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._training_thread = threading.get_ident()
+        self._address, self._identity = address, identity
+        self._socket: socket.socket | None = None
+        self._connected = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ray_resilient_progress", daemon=True)
+        self._thread.start()
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Wait until the watchdog hears this rank (False after ``timeout_s``, or if it never will)."""
+        if not self._connected.wait(timeout_s):
+            logger.warning("The hang watchdog did not answer within %.0f s; this rank's hangs go undetected until "
+                           "it does", timeout_s)
+            return False
+        return True
+
+    def phase(self, name: str, startup: bool = False) -> None:
+        """The training thread began ``name`` (``startup``: a restore or a save's staging, allowed
+        ``startup_allowance_s``)."""
+        self._progress += 1
+        self._phase = name
+        self._allowance = self.config.startup_allowance_s if startup else self._steady_allowance()
+
+    def step(self, seconds: float) -> None:
+        """A training step of ``seconds`` finished."""
+        self._steps += 1
+        self._step_seconds.append(seconds)
+        self.phase(f"step {self._steps} of this attempt")
+
+    def _steady_allowance(self) -> float:
+        if self._steps < self.config.startup_steps or not self._step_seconds:
+            return self.config.startup_allowance_s
+        ordered = sorted(self._step_seconds)
+        p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        return max(self.config.floor_s, self.config.step_multiple * p99)
+
+    def _run(self) -> None:
+        try:
+            self._socket = socket.create_connection(self._address())
+            self._socket.sendall((json.dumps(self._identity) + "\n").encode())
+            self._socket.settimeout(HEARTBEAT_S)
+        except Exception:  # noqa: BLE001 - without its watchdog the run trains on, as before it had one
+            logger.warning("Could not reach the hang watchdog; this rank's hangs go undetected", exc_info=True)
+            return
+        self._connected.set()
+        self._beat(self._socket)
+
+    def _beat(self, connection: socket.socket) -> None:
+        buffered = b""
+        while not self._closed.is_set():
+            try:
+                connection.sendall((json.dumps({"p": self._progress, "a": self._allowance,
+                                                "ph": self._phase}) + "\n").encode())
+                try:
+                    buffered += connection.recv(4096)  # waits up to HEARTBEAT_S: the beat's pace
+                except socket.timeout:
+                    continue
+                if not buffered:
+                    return  # the watchdog is gone
+                if b"stack\n" in buffered:
+                    buffered = b""
+                    connection.sendall((json.dumps({"stack": self._stack()}) + "\n").encode())
+            except OSError:
+                return
+
+    def _stack(self) -> str:
+        frame = sys._current_frames().get(self._training_thread)
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(no training thread)"
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+        if self._socket is not None:
+            self._socket.close()

@@ -1,0 +1,104 @@
+"""The hang watchdog: a real watchdog actor, and ranks that are real processes reporting to it.
+
+Each rank process reports steps, then does what its mode says: its training thread gets stuck
+(its heartbeats go on), it is stopped from outside (SIGSTOP: nothing goes on), it runs one long
+step that reports progress inside, or it stages a slow save. Only the first two are hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pyarrow.fs as pafs
+import ray
+
+from ray_resilient.goodput import read_events
+from ray_resilient.storage import RunStorage
+from ray_resilient.watchdog.monitor import HangWatchdog
+
+RANK = textwrap.dedent("""
+    import json, sys, time
+    from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
+    host, port, rank, node_id, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    config = HangWatchdogConfig(floor_s=1.5, step_multiple=10, startup_allowance_s=6.0, startup_steps=2)
+    identity = {"rank": rank, "pid": __import__("os").getpid(), "host": "localhost", "node_id": node_id}
+    progress = ProgressReporter(config, lambda: (host, port), identity)
+
+    def stuck_in_the_training_thread():
+        time.sleep(120)  # a collective that never returns
+
+    for step in range(5):
+        time.sleep(0.05)
+        progress.step(0.05)
+    print("trained", flush=True)
+    if mode == "stuck":
+        stuck_in_the_training_thread()
+    elif mode == "stop":
+        sys.stdin.readline()  # the test stops it; it never reads this line
+    elif mode == "long_step":  # 4 s, reporting its phases inside (allowed 1.5 s without progress)
+        for part in range(8):
+            time.sleep(0.5)
+            progress.phase(f"evaluation part {part}")
+    elif mode == "slow_save":  # staging a save for 4 s: a save's allowance is the startup one
+        progress.phase("save", startup=True)
+        time.sleep(4)
+    for step in range(5):
+        time.sleep(0.05)
+        progress.step(0.05)
+    progress.close()
+    print("done", flush=True)
+""")
+
+
+def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
+    host, port = ray.get(watchdog.start.remote())
+    node_id = ray.get_runtime_context().get_node_id()
+    ranks = {mode: subprocess.Popen([sys.executable, "-c", RANK, host, str(port), str(rank), node_id, mode],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for rank, mode in enumerate(modes)}
+    for process in ranks.values():
+        assert process.stdout.readline() == "trained\n"
+    return ranks
+
+
+def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progressing_one_is_not(ray_cluster,
+                                                                                               tmp_path):
+    """Two attempts' watchdogs. In one, a rank's training thread gets stuck while two others run a
+    long step that reports progress and a slow save: only the stuck one is declared, with its
+    stack. In the other, one rank is stopped and another waits for it (stalled too, but still
+    answering, as in a collective): the stopped one is declared, though both stalled."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    storage = RunStorage(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
+    watchdogs = [HangWatchdog.remote(storage), HangWatchdog.remote(storage)]
+    stuck_modes, stopped_modes = ["long_step", "stuck", "slow_save"], ["stuck", "stop"]
+    ranks = [start_ranks(watchdogs[0], stuck_modes), start_ranks(watchdogs[1], stopped_modes)]
+    try:
+        os.kill(ranks[1]["stop"].pid, signal.SIGSTOP)
+        for mode in ("long_step", "slow_save"):
+            assert ranks[0][mode].stdout.readline() == "done\n" and ranks[0][mode].wait(timeout=60) == 0, mode
+        assert ranks[0]["stuck"].wait(timeout=60) == -signal.SIGKILL
+        assert ranks[1]["stop"].wait(timeout=60) == -signal.SIGKILL
+        assert ranks[1]["stuck"].poll() is None  # the one that waited for it is left to its broken collective
+    finally:
+        for processes in ranks:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
+    (stuck,), (stopped,) = (ray.get(watchdog.declared.remote()) for watchdog in watchdogs)
+    assert stuck["hung_rank"] == stuck_modes.index("stuck") and stopped["hung_rank"] == stopped_modes.index("stop")
+    # Each after 10 x its p99 step (0.5 s), at least the 1.5 s floor; the stuck one's stack says where it is.
+    for hang in (stuck, stopped):
+        assert 1.5 <= hang["t"] - hang["t_start"] < 6, hang
+        assert f"pid {hang['pid']}" in hang["error"]
+    assert stuck["phase"] == "step 5 of this attempt"  # (the stopped one may have been stopped before it said so)
+    assert "in stuck_in_the_training_thread" in stuck["error"]
+    assert "does not answer" in stopped["error"]
+    hangs = [e for e in read_events(pafs.LocalFileSystem(), str(run_dir)) if e["kind"] == "hang"]
+    assert sorted(e["hung_rank"] for e in hangs) == sorted([stuck["hung_rank"], stopped["hung_rank"]])
+    for watchdog in watchdogs:
+        ray.kill(watchdog)
