@@ -22,9 +22,10 @@ The lead replica holds the run directory's lease (one driver per run, as with ``
 :mod:`ray_resilient.checkpoint.lease`) and saves plain DCP checkpoints in the background, as a
 one-rank job; they are the safety net for losing every replica holding state, or the driver.
 Once durable, they are registered with Ray (:mod:`.registrations`: ``Result.checkpoint``,
-``get_checkpoint()``, ``CheckpointConfig.num_to_keep``) at the next step every replica trains. A worker group starts with one
-replica restoring the newest complete checkpoint and the others copying from it, so every replica
-starts from one read; a membership left without a replica holding state starts the same way.
+``get_checkpoint()``, ``CheckpointConfig.num_to_keep``) at the next step every replica trains.
+A worker group starts with one replica restoring the newest complete checkpoint and the others
+copying from it, so every replica starts from one read; a membership left without a replica
+holding state starts the same way.
 """
 
 from __future__ import annotations

@@ -123,8 +123,9 @@ class HangWatchdog:
             if not any(now - rank.changed > rank.allowance for rank in self._ranks.values()):
                 continue
             culprit = min(self._ranks.values(), key=lambda r: (now - r.heard <= SILENT_S, r.changed))
-            others = ", ".join(f"rank {r.identity['rank']} {'silent' if now - r.heard > SILENT_S else 'answering'}, "
-                               f"no progress for {now - r.changed:.1f} s" for r in self._ranks.values() if r is not culprit)
+            others = ", ".join(
+                f"rank {r.identity['rank']} {'silent' if now - r.heard > SILENT_S else 'answering'}, no progress "
+                f"for {now - r.changed:.1f} s" for r in self._ranks.values() if r is not culprit)
             await self._declare(culprit, now - culprit.changed, others or "no other rank connected")
             return  # its death ends the attempt
 
