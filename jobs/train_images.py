@@ -68,8 +68,9 @@ def parallelize(model: torch.nn.Module, parallelism: str) -> torch.nn.Module:
     return fully_shard(model)
 
 
-def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int) -> float:
-    """Top-1 accuracy over every image of ``volume`` (on rank 0 alone with DDP, on every rank with FSDP2)."""
+def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int, ckpt: Checkpointer) -> float:
+    """Top-1 accuracy over every image of ``volume`` (on rank 0 alone with DDP, on every rank with
+    FSDP2), telling ``ckpt``'s hang watchdog at every batch that this rank is getting on."""
     dataset = VolumeImageDataset(volume, global_batch=batch, drop_last=False, seed=0,
                                  transform=eval_transform(image_size))
     loader = VolumeDataLoader(dataset, num_workers=0, metrics_logger=None)
@@ -77,6 +78,7 @@ def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int
     model.eval()
     with torch.no_grad():
         for item in loader:
+            ckpt.progress("validation")
             predicted = model(item.images.to(get_device())).argmax(1).cpu()
             for sample, right in zip(item.sample_ids.tolist(), (predicted == item.labels).tolist()):
                 if sample not in seen:  # the last batch is padded with repeats
@@ -153,7 +155,7 @@ def train_fn(config: dict[str, Any]) -> None:
                           f"restarts {restarts}", flush=True)
             if seen and (rank == 0 or config["parallelism"] == "fsdp"):  # FSDP2: every rank takes part
                 metrics["val_accuracy"] = evaluate(model.module if hasattr(model, "module") else model, val_volume,
-                                                   config["image_size"], config["global_batch"])
+                                                   config["image_size"], config["global_batch"], ckpt)
                 if metrics_log is not None:
                     metrics_log({"val_accuracy": metrics["val_accuracy"]}, ckpt.train_state.step)
                     print(f"epoch {epoch} done: val accuracy {metrics['val_accuracy']:.3f}", flush=True)

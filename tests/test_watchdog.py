@@ -68,8 +68,8 @@ def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
 def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progressing_one_is_not(ray_cluster,
                                                                                                tmp_path):
     """Two attempts' watchdogs. In one, a rank's training thread gets stuck while two others run a
-    long step that reports progress and a slow save: only the stuck one is declared, with its
-    stack. In the other, one rank is stopped and another waits for it (stalled too, but still
+    long step that reports progress and a slow save: nothing is declared while they progress, then
+    only the stuck one, with its stack. In the other, one rank is stopped and another waits for it (stalled too, but still
     answering, as in a collective): the stopped one is declared, though both stalled."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -93,7 +93,7 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
     assert stuck["hung_rank"] == stuck_modes.index("stuck") and stopped["hung_rank"] == stopped_modes.index("stop")
     # Each after 10 x its p99 step (0.5 s), at least the 1.5 s floor; the stuck one's stack says where it is.
     for hang in (stuck, stopped):
-        assert 1.5 <= hang["t"] - hang["t_start"] < 6, hang
+        assert 1.5 <= hang["t"] - hang["t_start"] < 10, hang
         assert f"pid {hang['pid']}" in hang["error"]
     assert stuck["phase"] == "step 5 of this attempt"  # (the stopped one may have been stopped before it said so)
     assert "in stuck_in_the_training_thread" in stuck["error"]

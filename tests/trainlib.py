@@ -10,7 +10,6 @@ import copy
 import json
 import os
 import random
-import threading
 import time
 from typing import Any
 
@@ -153,18 +152,21 @@ def alive(pid: int) -> bool:
     return True
 
 
-def hold(holds: list[dict[str, Any]], world: int, restored_step: int, step: int) -> None:
+def hold(holds: list[dict[str, Any]], world: int, restored_step: int, step: int, ckpt: Checkpointer) -> None:
     """Wait where a test asked, so that it acts on the run at a point it chose, not a race.
 
     Each hold is ``{"world_size": W, "at_step": S, "until": "replaced" | FILE}``: an attempt of W
     workers that started before step S stops once it trained step S, until Ray replaces its
-    worker group ("replaced": it never goes on) or until FILE exists.
+    worker group ("replaced": it never goes on) or until FILE exists. A held rank tells the hang
+    watchdog it is busy, as a long evaluation pass would.
     """
+    def held() -> bool:
+        ckpt.progress("held by the test")
+        return rule["until"] != "replaced" and os.path.exists(rule["until"])
+
     for rule in holds:
         if rule["world_size"] == world and restored_step < rule["at_step"] == step:
-            if rule["until"] == "replaced":
-                threading.Event().wait()  # until Ray stops this process
-            wait_until(lambda: os.path.exists(rule["until"]), timeout=600, what=f"{rule['until']} to exist")
+            wait_until(held, timeout=3600, what=f"{rule['until']} to exist")  # "replaced": until Ray stops it
 
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -202,7 +204,7 @@ def train_fn(config: dict[str, Any]) -> None:
                 recorder.step(ckpt.train_state.step + 1, ids, loss)
                 time.sleep(config.get("step_seconds", 0.0))  # emulated accelerator compute
                 ckpt.step_completed(data.epoch, {"loss": loss.item()})
-                hold(config.get("holds", ()), world, restored_step, ckpt.train_state.step)
+                hold(config.get("holds", ()), world, restored_step, ckpt.train_state.step, ckpt)
         ckpt.finish({"loss": loss.item()})
     save_final_weights(model, config["record_dir"])
 

@@ -332,6 +332,12 @@ class Checkpointer:
             self._note("training")
         self._mark = time.time()
 
+    def progress(self, phase: str) -> None:
+        """Tell the hang watchdog this rank is busy with ``phase`` and getting on: call it now and
+        then during anything longer than a few steps between two ``step_completed`` (an evaluation
+        pass, a long data preparation), so that it is not taken for a hang. Costs an assignment."""
+        self._note(phase)
+
     def finish(self, metrics: Mapping[str, Any] | None = None) -> SaveResult | None:
         """Save the final state (unless just saved), wait until durable, register it with Ray.
 

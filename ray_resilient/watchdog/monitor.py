@@ -1,10 +1,11 @@
 """The hang watchdog: an actor outside every rank that declares a rank hung and kills it.
 
 Each rank keeps one TCP connection to it (:class:`~ray_resilient.watchdog.progress.ProgressReporter`).
-Once a rank's progress counter has not moved for longer than the allowance it last sent, the
+Once no rank's progress counter has moved for longer than the allowance each last sent, the
 attempt is hung: a stuck collective, a hung filesystem, a process stopped by its host or a lost
-node. The others soon stall too, waiting for it in their collectives, so the watchdog names one
-culprit: a rank that went silent (its heartbeats stopped: stopped, or its node lost) before one
+node (in data-parallel training the others soon stall too, waiting for it in their collectives;
+while one rank still progresses, e.g. rank 0 evaluating while the others wait for it, nothing is
+hung). The watchdog then names one culprit: a rank that went silent (its heartbeats stopped: stopped, or its node lost) before one
 that still answers, and among those the one whose progress stopped first. It asks for the
 culprit's Python stack (a silent process does not answer), logs an error naming the rank, its
 host, its phase and the stack, records a ``hang`` event in the run's goodput ledger (from the
@@ -116,11 +117,11 @@ class HangWatchdog:
             writer.close()
 
     async def _check(self) -> None:
-        """Declare one culprit once any rank overstays its allowance (see the module docstring)."""
+        """Declare one culprit once every rank overstays its allowance (see the module docstring)."""
         while True:
             await asyncio.sleep(CHECK_EVERY_S)
             now = time.monotonic()
-            if not any(now - rank.changed > rank.allowance for rank in self._ranks.values()):
+            if not self._ranks or not all(now - rank.changed > rank.allowance for rank in self._ranks.values()):
                 continue
             culprit = min(self._ranks.values(), key=lambda r: (now - r.heard <= SILENT_S, r.changed))
             others = ", ".join(

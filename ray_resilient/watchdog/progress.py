@@ -1,7 +1,7 @@
 """A rank's progress, reported to the run's hang watchdog from a thread of its own.
 
 The training thread only bumps a counter and names its phase (:meth:`ProgressReporter.step`,
-:meth:`ProgressReporter.phase`); a daemon thread sends them to the watchdog
+:meth:`ProgressReporter.phase`; a ``Checkpointer``'s ``progress(phase)`` for a long evaluation); a daemon thread sends them to the watchdog
 (:mod:`~ray_resilient.watchdog.monitor`) every :data:`HEARTBEAT_S`, with how long this rank may
 go without progress before it counts as hung: ``max(floor_s, step_multiple x p99 of its recent
 steps)``, or ``startup_allowance_s`` while it restores, compiles (its first steps) or stages a
