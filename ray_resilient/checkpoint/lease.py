@@ -29,6 +29,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -164,7 +165,7 @@ class RunLease:
         self.check()
         data = self._read_bytes()
         record = parse_lease(data) if data is not None else None
-        if record is None or record.run_id != self.run_id:
+        if data is not None and (record is None or record.run_id != self.run_id):
             self._lose(record, data)
             self.check()
 
@@ -194,12 +195,10 @@ class RunLease:
         except FileNotFoundError:
             return None
 
-    def _lose(self, record: LeaseRecord | None, data: bytes | None) -> None:
+    def _lose(self, record: LeaseRecord | None, data: bytes) -> None:
         if record is not None:
             self.lost = f"{record.describe()} took over the lease of this run's directory: another driver runs " \
                         "this run name on this storage path"
-        elif data is None:
-            self.lost = f"the lease file {self.path} was removed while this run held it"
         else:
             self.lost = f"the lease file {self.path} no longer parses ({data[:80]!r}): something else wrote it"
         logger.error("Lost the run directory's lease: %s", self.lost)
@@ -209,9 +208,10 @@ class RunLease:
         record = LeaseRecord(self.run_id, self.holder, now, now + self.ttl_s)
         data = json.dumps(asdict(record)).encode()
         if isinstance(self.filesystem, pafs.LocalFileSystem):  # readers never see half a file
-            with self.filesystem.open_output_stream(f"{self.path}.{os.getpid()}.tmp") as out:
+            temporary = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            with self.filesystem.open_output_stream(temporary) as out:
                 out.write(data)
-            self.filesystem.move(f"{self.path}.{os.getpid()}.tmp", self.path)
+            self.filesystem.move(temporary, self.path)
         else:
             with self.filesystem.open_output_stream(self.path) as out:  # one PUT: atomic on object stores
                 out.write(data)
@@ -221,9 +221,9 @@ class RunLease:
             try:
                 data = self._read_bytes()
                 record = parse_lease(data) if data is not None else None
-                if record is None or record.run_id != self.run_id:
+                if data is not None and (record is None or record.run_id != self.run_id):
                     self._lose(record, data)
                     return
-                self._write()
+                self._write()  # (a lease found missing, e.g. mid-replace by a replica of this run, is rewritten)
             except OSError as err:  # storage hiccup: the next renewal retries, well before the expiry
                 logger.warning("Renewing the run's lease %s failed (%s); retrying", self.path, err)

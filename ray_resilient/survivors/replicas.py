@@ -328,9 +328,16 @@ class SurvivingReplicas:
         False when a replica was lost while its group formed."""
         previous, self._membership = self._membership, membership
         started = time.time()
+        restored = f"membership{membership.epoch}/restored"
         if membership.from_storage and membership.source == self.replica:
             self._restore_from_storage()
+            self._store.set(restored, "1")
         try:
+            # The others form the group once the source has restored (taking over a dead driver's
+            # lease alone can take its TTL): a group's formation times out, this wait does not.
+            while membership.from_storage and not self._store.check([restored]):
+                self._raise_if_lost()
+                time.sleep(LOST_POLL_S)
             self._enter(membership, previous, started)
             return True
         except RuntimeError as err:  # gloo's error, or ReplicaLostError
