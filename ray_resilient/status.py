@@ -15,8 +15,10 @@ from typing import Literal
 
 import pyarrow.fs as pafs
 
+from ray_resilient.checkpoint.integrity import verify_checksums
 from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints, parse_checkpoint_dir_name
 from ray_resilient.checkpoint.lease import LEASE_FILE
+from ray_resilient.checkpoint.restore import read_header
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.goodput.accounting import Attempt, account, group_attempts
 from ray_resilient.goodput.events import EventKind
@@ -64,9 +66,6 @@ def _size(fs: pafs.FileSystem, path: str) -> int:
 
 def _verify(storage: CheckpointStorage, checkpoint: CheckpointDir) -> tuple[bool, str | None]:
     """Whether a restore would read ``checkpoint`` (complete), and why not."""
-    from ray_resilient.checkpoint.integrity import verify_checksums
-    from ray_resilient.checkpoint.restore import read_header
-
     try:
         verify_checksums(storage.filesystem, checkpoint.path, rank=0, world_size=1)  # one reader: every shard
         read_header(storage, checkpoint.path)

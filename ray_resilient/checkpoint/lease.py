@@ -111,8 +111,7 @@ class RunLease:
         meanwhile, :class:`RunLeaseHeldError`; unchanged or removed, it is taken over. A taker
         that finds another run's record on reading its own back also gets :class:`RunLeaseHeldError`.
         """
-        found = self._read_bytes()
-        record = parse_lease(found) if found is not None else None
+        found, record = self._read()
         if found is None or record is None or record.run_id != self.run_id:
             if found is not None:
                 logger.warning("The run directory is leased by %s; watching it for %.0fs to see whether it is "
@@ -163,8 +162,7 @@ class RunLease:
     def verify(self) -> None:
         """Read the lease and raise :class:`RunLeaseLostError` unless this run holds it (before a commit)."""
         self.check()
-        data = self._read_bytes()
-        record = parse_lease(data) if data is not None else None
+        data, record = self._read()
         if data is not None and (record is None or record.run_id != self.run_id):
             self._lose(record, data)
             self.check()
@@ -185,8 +183,12 @@ class RunLease:
 
     def read_record(self) -> LeaseRecord | None:
         """The lease's record; None when there is none or it does not parse."""
+        return self._read()[1]
+
+    def _read(self) -> tuple[bytes | None, LeaseRecord | None]:
+        """The lease file's bytes and the record in them (None, None when there is no lease file)."""
         data = self._read_bytes()
-        return parse_lease(data) if data is not None else None
+        return data, parse_lease(data) if data is not None else None
 
     def _read_bytes(self) -> bytes | None:
         try:
@@ -219,8 +221,7 @@ class RunLease:
     def _renew(self) -> None:
         while not self._stop.wait(self.renew_every_s):
             try:
-                data = self._read_bytes()
-                record = parse_lease(data) if data is not None else None
+                data, record = self._read()
                 if data is not None and (record is None or record.run_id != self.run_id):
                     self._lose(record, data)
                     return
