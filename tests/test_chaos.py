@@ -130,9 +130,19 @@ def elastic_reference(ray_cluster, tmp_path_factory) -> dict[int, float]:
     return trainlib.kept_losses(str(root / "rec"))
 
 
+@pytest.fixture(scope="module")
+def two_node_cluster(tmp_path_factory):
+    """A CPU-less head and two 1-CPU worker nodes, shared by the lost-node tests: each kills one
+    node and adds one, so the next finds two alive again."""
+    with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
+        cluster.add_node(cpus=1)
+        cluster.add_node(cpus=1)
+        yield cluster
+
+
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism, elastic_reference, tmp_path,
-                                                                    tmp_path_factory):
+def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism, elastic_reference, two_node_cluster,
+                                                                    tmp_path):
     """2 workers on two 1-CPU nodes; the node of rank 1 is SIGKILLed mid-epoch; later a node joins.
 
     Every global batch of the plan is trained on exactly once, in order, across the three world
@@ -149,26 +159,26 @@ def test_a_lost_node_shrinks_the_run_and_new_capacity_grows_it_back(parallelism,
     holds = [{"world_size": 2, "at_step": 15, "until": "replaced"},
              {"world_size": 1, "at_step": 80, "until": "replaced"}]
     config = trainlib.job_config(record, holds=holds, **job)
-    with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
-        nodes = [cluster.add_node(cpus=1), cluster.add_node(cpus=1)]
-        driver = _driver(cluster.address, cluster.env, tmp_path / "storage", "elastic", (1, 2), config, tmp_path,
-                         "driver")
+    cluster = two_node_cluster
+    wait_until(lambda: len(cluster.alive_nodes()) == 3, timeout=60, what="the head and two nodes alive")
+    driver = _driver(cluster.address, cluster.env, tmp_path / "storage", "elastic", (1, 2), config, tmp_path,
+                     "driver")
 
-        def rank1_trained(steps: int) -> bool:
-            assert driver.running(), driver.output()[-5000:]
-            return _steps_recorded(record, 1) >= steps
+    def rank1_trained(steps: int) -> bool:
+        assert driver.running(), driver.output()[-5000:]
+        return _steps_recorded(record, 1) >= steps
 
-        wait_until(lambda: rank1_trained(15), timeout=300, what="rank 1 to train 15 steps")
-        rank1_node = trainlib.read_attempts(str(record), rank=1)[0]["node_id"]
-        next(n for n in nodes if n.node_id == rank1_node).kill()
+    wait_until(lambda: rank1_trained(15), timeout=300, what="rank 1 to train 15 steps")
+    rank1_node = trainlib.read_attempts(str(record), rank=1)[0]["node_id"]
+    next(n for n in cluster.nodes if n.node_id == rank1_node).kill()
 
-        def shrunk() -> bool:
-            assert driver.running(), driver.output()[-5000:]
-            return [a["world_size"] for a in trainlib.read_attempts(str(record))] == [2, 1]
+    def shrunk() -> bool:
+        assert driver.running(), driver.output()[-5000:]
+        return [a["world_size"] for a in trainlib.read_attempts(str(record))] == [2, 1]
 
-        wait_until(shrunk, timeout=300, what="the run to restart on the remaining node")
-        cluster.add_node(cpus=1)
-        driver.wait(timeout=300)
+    wait_until(shrunk, timeout=300, what="the run to restart on the remaining node")
+    cluster.add_node(cpus=1)
+    driver.wait(timeout=300)
     attempts = trainlib.read_attempts(str(record))
     assert [a["world_size"] for a in attempts] == [2, 1, 2], attempts
     kept = trainlib.kept_global_batches(str(record))
@@ -194,7 +204,9 @@ def test_a_second_driver_is_refused_at_once_and_a_driver_started_again_resumes_t
     refused_record.mkdir()
     refused = tmp_path / "second-refused"
     # The first run holds at step 6 until the second driver has been refused.
-    config = trainlib.job_config(record, step_seconds=0.2, holds=[{"world_size": 2, "at_step": 6, "until": str(refused)}])
+    hold = {"world_size": 2, "at_step": 6, "until": str(refused)}
+    config = trainlib.job_config(record, step_seconds=0.2, holds=[hold],
+                                 lease_ttl_s=trainlib.RESTARTED_DRIVER_LEASE_TTL_S)
     first = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "first")
     wait_until(lambda: first.running() and _steps_recorded(record, 0) >= 6, timeout=300,
                what="the first driver's run to train 6 steps")

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
@@ -74,15 +75,27 @@ def test_sigkill_during_upload_skips_then_collects_the_partial_checkpoint(refere
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
-def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, tmp_path):
-    record = tmp_path / "rec"
-    storage = tmp_path / "storage"
+@pytest.fixture(scope="module")
+def failing_save_run(tmp_path_factory) -> dict:
+    """A run whose storage starts with two partial checkpoints (shards without ``.metadata``: saves
+    that never finished) and whose rank 1 fails its write of checkpoint 10."""
+    root = tmp_path_factory.mktemp("failing-save")
+    storage, record = root / "storage", root / "rec"
+    for step in (5, 10):
+        partial = storage / "failing" / f"checkpoint_{step:010d}_000"
+        partial.mkdir(parents=True)
+        (partial / "__0_0.distcp").write_bytes(b"half-written")
     result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, "fail_write:upload=10:rank=1"), str(storage),
                               "failing", num_to_keep=None)
+    return {"result": result, "record": record, "run_dir": storage / "failing"}
+
+
+def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, failing_save_run):
+    result, record = failing_save_run["result"], failing_save_run["record"]
     assert result.error is None
     assert result.metrics["checkpoint_failed_saves"] == 1
     assert len(trainlib.read_attempts(str(record))) == 1  # no restart
-    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(storage / "failing"))
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(failing_save_run["run_dir"]))
     steps = [c.step for c in checkpoints]
     # 10 failed, was never complete, and was collected. A save due while earlier ones are still
     # being written waits a step (checkpoint_deferred_saves), so under load 15 may land at 16.
@@ -90,6 +103,18 @@ def test_failed_save_is_counted_not_registered_and_training_goes_on(reference, t
     assert not any(10 <= step < 15 for step in steps), steps
     assert all(c.complete for c in checkpoints)
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
+
+
+def test_partial_checkpoints_only_start_fresh(failing_save_run):
+    """Partial checkpoints 5 and 10 of attempt 0 in the run directory: the run starts from scratch
+    (nothing to resume from), collects them, and numbers its own attempt after theirs."""
+    record, run_dir = failing_save_run["record"], failing_save_run["run_dir"]
+    assert failing_save_run["result"].error is None
+    assert trainlib.read_attempts(str(record))[0]["restored_step"] == 0
+    directories = {p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")}
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
+    assert directories == {Path(c.path).name for c in checkpoints if c.complete}  # no partial one left
+    assert {c.attempt for c in checkpoints} == {1}
 
 
 def test_a_train_function_that_never_restores_is_stopped_before_it_saves(tmp_path):
@@ -148,21 +173,6 @@ def test_writes_slower_than_the_interval_defer_saves_instead_of_stalling_the_loo
     # The loop never waited for the slow write (the final save does wait: finish() makes it durable).
     assert max(e["t"] - e["t_start"] for e in saves if e["step"] != 24) < slow / 2
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
-
-
-def test_partial_checkpoints_only_start_fresh(reference, tmp_path):
-    storage = tmp_path / "storage"
-    for step in (5, 10):  # shards without .metadata: saves that never finished
-        partial = storage / "partial" / f"checkpoint_{step:010d}_000"
-        partial.mkdir(parents=True)
-        (partial / "__0_0.distcp").write_bytes(b"half-written")
-    record = tmp_path / "rec"
-    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record), str(storage), "partial")
-    assert result.error is None
-    assert trainlib.read_attempts(str(record))[0]["restored_step"] == 0
-    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
-    steps = [c.step for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "partial"))]
-    assert 5 not in steps and 10 not in {s for s in steps if s < 20}  # partial dirs were collected
 
 
 def test_plain_torch_loads_the_model_from_a_checkpoint_directory(reference):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +20,8 @@ import torch
 
 from ray_resilient import list_checkpoints
 from ray_resilient.faults import parse_faults
-from ray_resilient.testing import make_image_volume
+from ray_resilient.goodput import read_events
+from ray_resilient.testing import make_image_volume, wait_until
 
 REPO = Path(__file__).parent.parent
 
@@ -176,42 +180,92 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(tmp_p
     assert not differing, f"{len(differing)} of {len(killed_state)} tensors differ: {differing[:5]}"
 
 
+@pytest.fixture(scope="module")
+def fsdp_image_run(tmp_path_factory, ray_cluster) -> dict:
+    """The image job with FSDP2 on a volume of 160 training JPEGs (``A``; ``B`` has 192), 20 steps
+    of 16 images, a checkpoint every 2, and an MLflow tracking store that is not a database. Once
+    checkpoint 4 is durable, its rank 1 is SIGSTOPped from outside (at a moment the job did not
+    choose). Its output, RESULT, run directory and arguments, and the stopped process and when."""
+    root = tmp_path_factory.mktemp("fsdp-image")
+    for name, per_class in (("A", 40), ("B", 48)):
+        for split, count in (("train", per_class), ("val", 10)):
+            make_image_volume(pafs.LocalFileSystem(), str(root / name / split), classes=4, per_class=count, size=32,
+                              seed=1)
+    run_dir = root / "runs" / "r"
+    arguments = ["--parallelism", "fsdp", "--epochs", "2", "--global-batch", "16", "--interval", "2",
+                 "--storage-path", str(root / "runs"), "--name", "r"]
+    (root / "broken.db").write_text("not a database")
+    job = ImageJob.start(root, ["--volume", str(root / "A"), "--tracking-uri", f"sqlite:///{root}/broken.db",
+                                *arguments], {**os.environ, "RAY_ADDRESS": ray_cluster})
+    stopped = 0
+    try:
+        def checkpoint_4_durable() -> bool:
+            assert job.process.poll() is None, (root / "job.log").read_text()[-5000:]
+            return run_dir.exists() and any(c.complete and c.step >= 4
+                                            for c in list_checkpoints(pafs.LocalFileSystem(), str(run_dir)))
+
+        wait_until(checkpoint_4_durable, timeout=600, what="checkpoint 4 of the image job to be durable")
+        rank1_log = max((f for f in (run_dir / "goodput").iterdir() if "-rank1-" in f.name), key=lambda f: f.name)
+        stopped = int(rank1_log.name.split("-")[2].split(".")[0])  # <time>-rank1-<pid>.jsonl
+        os.kill(stopped, signal.SIGSTOP)
+        stopped_at = time.time()
+        log, result = job.result()
+    finally:
+        if stopped:
+            with contextlib.suppress(ProcessLookupError):  # the hang watchdog killed it
+                os.kill(stopped, signal.SIGKILL)
+    return {"root": root, "log": log, "result": result, "run_dir": run_dir, "arguments": arguments,
+            "stopped": stopped, "stopped_at": stopped_at}
+
+
 @pytest.mark.slow
-def test_the_image_job_with_fsdp2_recovers_a_kill_and_exports_the_whole_model(tmp_path, driver_env):
-    log, result = run_image_job(tmp_path, ["--parallelism", "fsdp", "--per-class", "40", "--epochs", "2",
-                                           "--interval", "2", "--faults", "kill:durable=2:rank=1"], driver_env)
-    assert "Injecting fault kill-durable-2-rank1" in log and "[attempt 2]" in log and "Resuming at step 2" in log
-    run_dir = tmp_path / "runs" / "train_images"
+def test_the_image_job_with_fsdp2_recovers_a_lost_worker_and_exports_the_whole_model(fsdp_image_run):
+    log, result, run_dir = fsdp_image_run["log"], fsdp_image_run["result"], fsdp_image_run["run_dir"]
+    restored = [e["step"] for e in read_events(pafs.LocalFileSystem(), str(run_dir)) if e["kind"] == "restore"]
+    assert "[attempt 2]" in log and restored[0] == 0 and restored[1] >= 4 and f"Resuming at step {restored[1]}" in log
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
-    assert checkpoints[-1].complete and checkpoints[-1].step == result["step"] == 4
+    assert checkpoints[-1].complete and checkpoints[-1].step == result["step"] == 20
     # The shards of both ranks, gathered into one plain state dict, give the job's own accuracy.
-    exported = exported_model_accuracy(run_dir / "final_model.pt", tmp_path / "data" / "shapes" / "val")
+    exported = exported_model_accuracy(run_dir / "final_model.pt", fsdp_image_run["root"] / "A" / "val")
     assert exported == pytest.approx(result["val_accuracy"], abs=0.03)
 
 
 @pytest.mark.slow
-def test_the_image_job_on_a_changed_dataset_stops_at_once_and_keeps_every_checkpoint(tmp_path, driver_env):
+def test_a_worker_of_the_image_job_stopped_from_outside_is_declared_hung_and_replaced_within_seconds(fsdp_image_run):
+    """Ray would replace the stopped worker after its health-check timeout (60 s in the recommended
+    environment, 600 s in Ray's); the job's hang watchdog declares it hung and kills it, and the
+    job's goodput report shows the hang."""
+    log, run_dir = fsdp_image_run["log"], fsdp_image_run["run_dir"]
+    hang, = [e for e in read_events(pafs.LocalFileSystem(), str(run_dir)) if e["kind"] == "hang"]
+    assert hang["hung_rank"] == 1 and hang["pid"] == fsdp_image_run["stopped"] and "does not answer" in hang["error"]
+    assert hang["t"] - fsdp_image_run["stopped_at"] < 30, hang
+    assert "declared hung" in log and f"pid {fsdp_image_run['stopped']}" in log
+    assert "goodput report of" in log, log[-3000:]
+    report = log.split("goodput report of", 1)[1]
+    assert any(line.split()[:1] == ["hang"] for line in report.splitlines()), report
+
+
+@pytest.mark.slow
+def test_a_broken_mlflow_store_costs_the_image_job_nothing(fsdp_image_run):
+    """Its tracking store is not a database: telemetry fails, the run must not (its one restart is
+    the stopped worker's)."""
+    log = fsdp_image_run["log"]
+    assert "could not add final_model.pt to the MLflow run" in log
+    assert "[attempt 3]" not in log  # its one restart: the stopped worker's
+    assert "could not add goodput_timeline.png to the MLflow run" in log
+
+
+@pytest.mark.slow
+def test_the_image_job_on_a_changed_dataset_stops_at_once_and_keeps_every_checkpoint(fsdp_image_run, driver_env):
     """The same run name on a volume with more images: the saved data position does not fit. The
     run must end at the first attempt with an error naming the checkpoint and the change, instead of
-    falling back, starting fresh or spending its restarts, and keep every checkpoint. (Its first run
-    also shows that a broken MLflow store costs the run nothing.)"""
-    for name, per_class in (("A", 40), ("B", 48)):
-        for split, count in (("train", per_class), ("val", 10)):
-            make_image_volume(pafs.LocalFileSystem(), str(tmp_path / name / split), classes=4, per_class=count, size=32,
-                              seed=1)
-    arguments = ["--epochs", "2", "--interval", "1", "--storage-path", str(tmp_path / "runs"), "--name", "r"]
-    # The first run's tracking store is not a database: telemetry fails, the run must not.
-    (tmp_path / "broken.db").write_text("not a database")
-    log, _ = run_image_job(tmp_path, ["--volume", str(tmp_path / "A"), "--tracking-uri",
-                                      f"sqlite:///{tmp_path}/broken.db", *arguments], driver_env)
-    assert "could not add final_model.pt to the MLflow run" in log and "[attempt 2]" not in log
-    assert "could not add goodput_timeline.png to the MLflow run" in log
-    run_dir = str(tmp_path / "runs" / "r")
+    falling back, starting fresh or spending its restarts, and keep every checkpoint."""
+    root, run_dir = fsdp_image_run["root"], str(fsdp_image_run["run_dir"])
     before = list_checkpoints(pafs.LocalFileSystem(), run_dir)
     assert before[-1].complete
-
-    out = subprocess.run([sys.executable, str(REPO / "jobs" / "train_images.py"), "--volume", str(tmp_path / "B"),
-                          *arguments], capture_output=True, text=True, timeout=900, env=driver_env, cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "train_images.py"), "--volume", str(root / "B"),
+                          *fsdp_image_run["arguments"]], capture_output=True, text=True, timeout=900, env=driver_env,
+                         cwd=root)
     log = out.stdout + out.stderr
     assert out.returncode != 0
     assert "IncompatibleCheckpointError" in log and f"checkpoint {before[-1].path}" in log, log[-5000:]

@@ -164,3 +164,32 @@ def test_two_takers_of_a_dead_runs_lease_at_the_same_moment_one_goes_on(run_dir)
     assert takers[0].read_record().run_id == winners[0]
     for lease in takers:
         lease.release()
+
+
+@pytest.mark.parametrize("holder_ttl_s, taker_ttl_s", [(2.0, 30.0), (3600.0, 2.0)])
+def test_a_taker_watches_a_lease_for_the_ttl_its_holder_declared(run_dir, caplog, holder_ttl_s, taker_ttl_s):
+    """A dead holder that declared a short TTL is taken over after it, not after the taker's longer
+    one; a live holder that declared a long TTL (renewing rarely) is not taken over after the
+    taker's shorter one."""
+    import threading
+
+    filesystem, path = run_dir
+    filesystem.create_dir(path)
+    holder = RunLease(filesystem, path, "run-a", ttl_s=holder_ttl_s, settle_s=0.0)
+    holder.acquire()
+    holder.stop()  # no renewal from now on
+    taker = RunLease(filesystem, path, "run-b", ttl_s=taker_ttl_s, settle_s=0.0)
+    with caplog.at_level("WARNING", logger="ray_resilient.checkpoint.lease"):
+        thread = threading.Thread(target=taker.acquire)
+        thread.start()
+        watching = f"watching it for {holder_ttl_s:.0f}s"
+        wait_until(lambda: any(watching in r.getMessage() for r in caplog.records), timeout=30,
+                   what=f"the taker to log {watching!r}")
+        if holder_ttl_s > taker_ttl_s:  # the holder's driver ends its run: it lets go of its lease
+            filesystem.delete_file(f"{path}/{LEASE_FILE}")
+        thread.join(timeout=60)
+    try:
+        assert taker.read_record().run_id == "run-b"
+        assert not any(f"watching it for {taker_ttl_s:.0f}s" in r.getMessage() for r in caplog.records)
+    finally:
+        taker.release()

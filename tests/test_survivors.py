@@ -233,7 +233,8 @@ def test_a_killed_driver_resumes_from_the_newest_checkpoint_that_reads_all_repli
     record, storage = tmp_path / "rec", tmp_path / "storage"
     record.mkdir()
     released = tmp_path / "released"
-    loop = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 25, "until": str(released)}]}
+    loop = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 25, "until": str(released)}],
+            "lease_ttl_s": trainlib.RESTARTED_DRIVER_LEASE_TTL_S}
     config = {"name": "survivors", "storage": str(storage), "loop": loop, "address": ray_cluster}
     first = Driver.start("test_survivors:fit_survivors_in_driver", config, env=driver_env, workdir=tmp_path,
                          name="first")

@@ -19,6 +19,7 @@ import ray
 from ray_resilient.goodput import read_events
 from ray_resilient.storage import RunStorage
 from ray_resilient.watchdog.monitor import HangWatchdog
+from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
 
 RANK = textwrap.dedent("""
     import json, sys, time
@@ -43,8 +44,8 @@ RANK = textwrap.dedent("""
         for part in range(8):
             time.sleep(0.5)
             progress.phase(f"evaluation part {part}")
-    elif mode == "slow_save":  # staging a save for 4 s: a save's allowance is the startup one
-        progress.phase("save", startup=True)
+    elif mode == "slow_save":  # staging its first save for 4 s: that is allowed the startup allowance
+        progress.saving("save", None)
         time.sleep(4)
     for step in range(5):
         time.sleep(0.05)
@@ -102,3 +103,28 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
     assert sorted(e["hung_rank"] for e in hangs) == sorted([stuck["hung_rank"], stopped["hung_rank"]])
     for watchdog in watchdogs:
         ray.kill(watchdog)
+
+
+def test_warm_up_steps_do_not_raise_the_allowance_and_a_later_save_gets_a_multiple_of_the_one_before():
+    """The first steps of an attempt (compilation, warm-up) are left out of the p99 that sets the
+    allowance. A first save allocates its staging buffers (the startup allowance); a hang in a
+    later save's staging is declared as soon as in a step, unless the save before took long."""
+    def no_watchdog() -> tuple[str, int]:
+        raise ConnectionRefusedError("no watchdog here")
+
+    config = HangWatchdogConfig(floor_s=1.5, step_multiple=10, startup_allowance_s=600.0, startup_steps=2)
+    progress = ProgressReporter(config, no_watchdog, {"rank": 0})
+    progress.step(4.0)
+    progress.step(4.0)
+    assert progress.allowance == 600.0  # still warming up
+    for _ in range(5):
+        progress.step(0.05)
+    steady = progress.allowance
+    assert steady == 1.5  # the floor: 10 x the p99 step (0.05 s, the warm-up's 4 s left out) is less
+    progress.saving("save", None)
+    assert progress.allowance == 600.0
+    progress.saving("save", 0.01)
+    assert progress.allowance == steady
+    progress.saving("save", 2.0)
+    assert progress.allowance == 20.0
+    progress.close()

@@ -22,11 +22,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from ray_resilient import Checkpointer, spare_workers
+from ray_resilient.checkpoint.lease import TTL_S
 from ray_resilient.testing import Recorder, RecordKind, train_replica, wait_until
 from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 
 
 JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # train_fn: 24 steps
+
+
+# The lease TTL of runs whose driver a test kills and starts again: the new driver waits this long
+# for the dead one's lease (the default 30 s is for real storage and loaded drivers).
+RESTARTED_DRIVER_LEASE_TTL_S = 8.0
 
 
 def job_config(record_dir, faults: str = "", **overrides: Any) -> dict[str, Any]:
@@ -187,7 +193,8 @@ def train_fn(config: dict[str, Any]) -> None:
     loss = torch.zeros(())
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
                       mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
-                      goodput_log_every=config.get("goodput_log_every", 50)) as ckpt:
+                      goodput_log_every=config.get("goodput_log_every", 50),
+                      lease_ttl_s=config.get("lease_ttl_s", TTL_S)) as ckpt:
         registered = ray.train.get_checkpoint()
         state = ckpt.restore()  # the live train state: its step counts on
         restored_step = state.step
@@ -417,7 +424,8 @@ def survivor_fn(config: dict[str, Any]) -> None:
                          step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait,
                          lr_scheduler=scheduler, micro_batches=config["micro_batches"], seed=seed,
                          checkpoint_interval=config.get("interval"), mtbf_s=config.get("mtbf_s"),
-                         goodput_log_every=config.get("goodput_log_every", 50), faults=config.get("faults", ""))
+                         goodput_log_every=config.get("goodput_log_every", 50), faults=config.get("faults", ""),
+                         lease_ttl_s=config.get("lease_ttl_s", TTL_S))
     if lead:
         torch.save({k: v.clone() for k, v in model.state_dict().items()},
                    os.path.join(config["record_dir"], "final_weights.pt"))

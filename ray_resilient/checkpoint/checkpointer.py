@@ -32,7 +32,7 @@ from ray_resilient.checkpoint.collectives import broadcast_from_rank0, smallest_
 from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
 from ray_resilient.checkpoint.hooks import AttemptHook, DataWaitSource
 from ray_resilient.checkpoint.layout import checkpoint_dir_name
-from ray_resilient.checkpoint.lease import RunLeaseHeldError
+from ray_resilient.checkpoint.lease import TTL_S, RunLeaseHeldError
 from ray_resilient.checkpoint.registration import register_durable
 from ray_resilient.checkpoint.restore import RestorePlan, load_newest_loadable
 from ray_resilient.checkpoint.save_outcomes import SaveOutcomes
@@ -104,6 +104,9 @@ class Checkpointer:
         save_timeout_s: a save still writing this long after it began holds up the saves due
             after it no more: each fails (counting towards ``max_failed_saves_in_a_row``), and
             waiting for it (``finish()``) raises ``CheckpointSaveError``.
+        lease_ttl_s: how long the run directory's lease (one driver per run) may go unrenewed
+            before a driver started again takes it over: what a restarted driver waits after its
+            predecessor died. Rank 0 renews it every sixth of this.
         max_failed_saves_in_a_row: after this many saves in a row failed, raise
             :class:`CheckpointSaveError` (the attempt fails and Ray's ``FailureConfig`` restarts
             the worker group, or ends the run with the reason) instead of training on with
@@ -118,7 +121,8 @@ class Checkpointer:
             (``<run dir>/goodput``, see :mod:`ray_resilient.goodput`).
         hang_watchdog: when a rank that makes no progress is declared hung, killed, and the worker
             group restarted (:mod:`ray_resilient.watchdog`: by default after ``max(5 s, 10 x`` its
-            p99 step time``)``, 600 s for the restore, the first 3 steps and a save's staging);
+            p99 step time``)``, 600 s for the restore, the first 3 steps, the first save's staging
+            and the final save; a later save's staging: 10 x the one before's, if more);
             None: only Ray's worker health check (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
         attempt_hooks: called at points of each attempt
             (:class:`~ray_resilient.checkpoint.hooks.AttemptHook`). Spare workers
@@ -143,6 +147,7 @@ class Checkpointer:
         write_threads: int = 4,
         max_failed_saves_in_a_row: int = 3,
         save_timeout_s: float = 600.0,
+        lease_ttl_s: float = TTL_S,
         storage: CheckpointStorage | None = None,
         faults: str | None = None,
         goodput_logger: MetricsLogger | str | None = "mlflow",
@@ -168,7 +173,8 @@ class Checkpointer:
         self._session = CheckpointSession(self.storage, self.rank, self.faults, staging_buffers=staging_buffers,
                                           write_threads=write_threads,
                                           max_failed_saves_in_a_row=max_failed_saves_in_a_row,
-                                          save_timeout_s=save_timeout_s, on_durable=self.goodput.durable)
+                                          save_timeout_s=save_timeout_s, lease_ttl_s=lease_ttl_s,
+                                          on_durable=self.goodput.durable)
         self._writer = self._session.writer
         self.outcomes = self._session.outcomes
         # The training thread's own collectives (which saves finished, the auto interval): the
@@ -176,6 +182,7 @@ class Checkpointer:
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._watchdog, self._progress = self._start_watchdog(hang_watchdog) if hang_watchdog else (None, None)
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
+        self._last_progress = 0.0  # when progress(phase) last said the loop was busy between steps
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt: int | None = None  # this attempt's number, known once restore() ran
         self._in_flight: deque[_InFlight] = deque()
@@ -213,6 +220,11 @@ class Checkpointer:
         """Tell the hang watchdog the training thread began ``phase`` (see :class:`ProgressReporter`)."""
         if self._progress is not None:
             self._progress.phase(phase, startup)
+
+    def _note_save(self, phase: str) -> None:
+        """Tell the hang watchdog the training thread began staging a save (``phase``)."""
+        if self._progress is not None:
+            self._progress.saving(phase, self.last_stall_seconds if self.saves_started else None)
 
     def _stop_watchdog(self) -> None:
         if self._progress is not None:
@@ -311,8 +323,8 @@ class Checkpointer:
         self._last_metrics = dict(metrics or {})
         self.goodput.step(state.step, self._mark, ended, fetched - self._fetch_seen)
         self.policy.step_finished(ended - self._mark)
-        if self._progress is not None:
-            self._progress.step(ended - self._mark)
+        if self._progress is not None:  # the step alone: not an evaluation reported in between
+            self._progress.step(ended - max(self._mark, self._last_progress))
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
         if not self._first_step_done:
@@ -320,14 +332,14 @@ class Checkpointer:
             for hook in self._hooks:
                 hook.first_step()
         if self._session.deferred or self.policy.due(state.step):
-            self._note("save", startup=True)
+            self._note_save("save")
             self._checkpoint(metrics or {})
             if not self._session.deferred:
                 durable = self.last_save.durable_seconds if self.last_save is not None else 0.0
                 self.policy.saved(state.step, self.last_stall_seconds, durable, self._control)
             self._note("training")
         elif self.policy.preemption_imminent(state.step):
-            self._note("preemption save", startup=True)
+            self._note_save("preemption save")
             self._checkpoint(metrics or {}, wait=True)
             self._note("training")
         self._mark = time.time()
@@ -337,6 +349,7 @@ class Checkpointer:
         then during anything longer than a few steps between two ``step_completed`` (an evaluation
         pass, a long data preparation), so that it is not taken for a hang. Costs an assignment."""
         self._note(phase)
+        self._last_progress = time.time()
 
     def finish(self, metrics: Mapping[str, Any] | None = None) -> SaveResult | None:
         """Save the final state (unless just saved), wait until durable, register it with Ray.

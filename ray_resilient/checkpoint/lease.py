@@ -9,7 +9,8 @@ takes the lease straight back, and another driver's run finds it held and stops 
 :class:`RunLeaseHeldError`, which names the holder.
 
 Clocks of different machines disagree, so the times in another run's lease are never trusted:
-a taker watches the lease file for ``ttl_s`` on its own monotonic clock. A lease that changes
+a taker watches the lease file on its own monotonic clock, for the TTL its holder declared
+(``expires - renewed``, a duration: the holder renews every sixth of it). A lease that changes
 meanwhile (renewed) belongs to a live run; one left unchanged that long (its driver died) is
 taken over.
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_FILE = ".lease"
 TTL_S = 30.0  # a lease not renewed for this long is taken over (its driver is gone)
-RENEW_EVERY_S = 5.0
+RENEWALS_PER_TTL = 6  # the holder renews every ttl_s / 6 by default
 SETTLE_S = 0.5  # a new holder reads its lease back this long after writing it
 
 
@@ -65,6 +66,11 @@ class LeaseRecord:
     def describe(self) -> str:
         return f"Ray Train run {self.run_id} ({self.holder})"
 
+    @property
+    def ttl_s(self) -> float:
+        """The TTL its holder declared (how long it may go unrenewed)."""
+        return self.expires - self.renewed
+
 
 def parse_lease(data: bytes) -> LeaseRecord | None:
     """The record in a lease file's bytes; None when they are not one."""
@@ -83,8 +89,10 @@ class RunLease:
     """The lease of ``run_id`` on the run directory ``experiment_path`` (see the module docstring)."""
 
     def __init__(self, filesystem: pafs.FileSystem, experiment_path: str, run_id: str, *,
-                 ttl_s: float = TTL_S, renew_every_s: float = RENEW_EVERY_S, settle_s: float = SETTLE_S,
+                 ttl_s: float = TTL_S, renew_every_s: float | None = None, settle_s: float = SETTLE_S,
                  clock: Callable[[], float] = time.time):
+        if renew_every_s is None:
+            renew_every_s = ttl_s / RENEWALS_PER_TTL
         if not 0 < renew_every_s < ttl_s:
             raise ValueError(f"the lease needs 0 < renew_every_s < ttl_s, got {renew_every_s}, {ttl_s}")
         self.filesystem = filesystem
@@ -107,18 +115,20 @@ class RunLease:
     def acquire(self) -> None:
         """Take the lease, and keep renewing it until :meth:`release`.
 
-        Another run's lease (or a file that does not parse) is watched for ``ttl_s``: renewed
-        meanwhile, :class:`RunLeaseHeldError`; unchanged or removed, it is taken over. A taker
-        that finds another run's record on reading its own back also gets :class:`RunLeaseHeldError`.
+        Another run's lease is watched for the TTL its holder declared (a file that does not parse,
+        for ``ttl_s``): renewed meanwhile, :class:`RunLeaseHeldError`; unchanged or removed, it is
+        taken over. A taker that finds another run's record on reading its own back also gets
+        :class:`RunLeaseHeldError`.
         """
         found, record = self._read()
         if found is None or record is None or record.run_id != self.run_id:
             if found is not None:
+                watch_s = self._ttl_of(record)
                 logger.warning("The run directory is leased by %s; watching it for %.0fs to see whether it is "
-                               "renewed", record.describe() if record else "an unreadable lease file", self.ttl_s)
-                if self._watch(found):
+                               "renewed", record.describe() if record else "an unreadable lease file", watch_s)
+                if self._watch(found, watch_s):
                     logger.warning("Taking over the lease of %s: not renewed for %.0fs, its driver is gone",
-                                   record.describe() if record else "an unreadable lease file", self.ttl_s)
+                                   record.describe() if record else "an unreadable lease file", watch_s)
             self._write()
             self._stop.wait(self.settle_s)  # a taker writing at the same moment: the last write stands
             current = self.read_record()
@@ -129,11 +139,15 @@ class RunLease:
         self._thread = threading.Thread(target=self._renew, name="ray_resilient_lease", daemon=True)
         self._thread.start()
 
-    def _watch(self, found: bytes) -> bool:
-        """Watch the lease file, holding ``found``, for ``ttl_s`` on this machine's monotonic clock:
+    def _ttl_of(self, record: LeaseRecord | None) -> float:
+        """How long ``record``'s holder may go unrenewed: the TTL it declared, else this lease's."""
+        return record.ttl_s if record is not None and record.ttl_s > 0 else self.ttl_s
+
+    def _watch(self, found: bytes, watch_s: float) -> bool:
+        """Watch the lease file, holding ``found``, for ``watch_s`` on this machine's monotonic clock:
         True when unchanged that long (to be taken over), False when removed or retaken by this run;
         :class:`RunLeaseHeldError` as soon as another run renews it."""
-        deadline = time.monotonic() + self.ttl_s
+        deadline = time.monotonic() + watch_s
         while (left := deadline - time.monotonic()) > 0:
             self._stop.wait(min(self.renew_every_s / 4, left))
             current = self._read_bytes()
@@ -151,7 +165,7 @@ class RunLease:
             f"the run directory {self.path.rsplit('/', 1)[0]} is in use by "
             f"{record.describe() if record else 'a writer of an unreadable lease file'}: another driver runs this "
             "run name on this storage path. Stop that driver first, or start this job under another run name. "
-            f"(A lease its driver stops renewing is taken over after {self.ttl_s:.0f}s.)"
+            f"(A lease its driver stops renewing is taken over after {self._ttl_of(record):.0f}s.)"
         )
 
     def check(self) -> None:

@@ -25,7 +25,7 @@ from typing import Callable
 from ray_resilient._ray_internals import train_run_id
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.layout import delete_partial_checkpoints
-from ray_resilient.checkpoint.lease import RunLease
+from ray_resilient.checkpoint.lease import TTL_S, RunLease
 from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints
 from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError, SaveOutcomes
 from ray_resilient.checkpoint.storage import CheckpointStorage
@@ -43,18 +43,21 @@ class CheckpointSession:
             (:class:`~ray_resilient.checkpoint.writer.AsyncCheckpointWriter`).
         max_failed_saves_in_a_row: :class:`~ray_resilient.checkpoint.save_outcomes.SaveOutcomes`'.
         save_timeout_s: how long a save may be in flight before the due saves it holds up fail.
+        lease_ttl_s: how long the run's lease may go unrenewed before another driver takes it over
+            (:class:`~ray_resilient.checkpoint.lease.RunLease`'s ``ttl_s``).
         run_id: the run holding the lease (default: this Ray Train run's).
     """
 
     def __init__(self, storage: CheckpointStorage, rank: int, faults: FaultInjector, *, staging_buffers: int = 2,
                  write_threads: int = 4, max_failed_saves_in_a_row: int = 3, save_timeout_s: float = 600.0,
-                 on_durable: Callable[[int, float], None] = lambda step, t: None, run_id: str | None = None):
+                 lease_ttl_s: float = TTL_S, on_durable: Callable[[int, float], None] = lambda step, t: None,
+                 run_id: str | None = None):
         if not save_timeout_s > 0:
             raise ValueError(f"save_timeout_s must be > 0, got {save_timeout_s!r}")
         self.storage = storage
         self.save_timeout_s = save_timeout_s
         self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
-        self.lease = RunLease(storage.filesystem, storage.experiment_path, run_id or train_run_id())
+        self.lease = RunLease(storage.filesystem, storage.experiment_path, run_id or train_run_id(), ttl_s=lease_ttl_s)
         self.writer = AsyncCheckpointWriter(storage, rank, faults, staging_buffers=staging_buffers,
                                             write_threads=write_threads, before_commit=self.lease.verify,
                                             on_durable=on_durable)

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ray_resilient._torch_internals import gloo_group, is_batch_norm
 from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, parse_checkpoint_dir_name
+from ray_resilient.checkpoint.lease import TTL_S
 from ray_resilient.checkpoint.restore import RestorePlan, load_newest_loadable
 from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError
 from ray_resilient.checkpoint.save_policy import SavePolicy
@@ -105,6 +106,8 @@ class SurvivingReplicas:
             replica still sends its heartbeats (a partition between two replicas); a replica that
             stops answering altogether is dropped sooner (:mod:`.liveness`).
         save_timeout_s: as ``Checkpointer``'s: a save still writing this long makes the due saves fail.
+        lease_ttl_s: as ``Checkpointer``'s: how long the run's lease may go unrenewed before a
+            driver started again takes it over.
         max_failed_saves_in_a_row: the lead raises :class:`~ray_resilient.CheckpointSaveError`
             after this many (another replica takes over as the lead). A failed final save is
             made again from memory; when it cannot be made durable, every replica raises.
@@ -115,7 +118,7 @@ class SurvivingReplicas:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
                  micro_batches: int, seed: int = 0, checkpoint_interval: int | Literal["auto"] | None = None,
                  mtbf_s: float | None = None, faults: str = "", timeout_s: float = 30.0,
-                 max_failed_saves_in_a_row: int = 3, save_timeout_s: float = 600.0,
+                 max_failed_saves_in_a_row: int = 3, save_timeout_s: float = 600.0, lease_ttl_s: float = TTL_S,
                  goodput_logger: MetricsLogger | str | None = "mlflow",
                  goodput_log_every: int = 50):
         if micro_batches < 1:
@@ -151,7 +154,7 @@ class SurvivingReplicas:
         # The lead's checkpoints, as a one-rank job (the others never stage, write or hold the lease).
         self._session = CheckpointSession(self._storage, 0, self._faults,
                                           max_failed_saves_in_a_row=max_failed_saves_in_a_row,
-                                          save_timeout_s=save_timeout_s,
+                                          save_timeout_s=save_timeout_s, lease_ttl_s=lease_ttl_s,
                                           on_durable=lambda step, t: self._goodput.durable(step, t))
         self._last_durable_seconds = 0.0  # how long the lead's newest durable save took to be durable
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)

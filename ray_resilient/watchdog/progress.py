@@ -1,12 +1,15 @@
 """A rank's progress, reported to the run's hang watchdog from a thread of its own.
 
 The training thread only bumps a counter and names its phase (:meth:`ProgressReporter.step`,
-:meth:`ProgressReporter.phase`; a ``Checkpointer``'s ``progress(phase)`` for a long evaluation); a daemon thread sends them to the watchdog
+:meth:`ProgressReporter.phase`, :meth:`ProgressReporter.saving`; a ``Checkpointer``'s
+``progress(phase)`` for a long evaluation); a daemon thread sends them to the watchdog
 (:mod:`~ray_resilient.watchdog.monitor`) every :data:`HEARTBEAT_S`, with how long this rank may
 go without progress before it counts as hung: ``max(floor_s, step_multiple x p99 of its recent
-steps)``, or ``startup_allowance_s`` while it restores, compiles (its first steps) or stages a
-save. A process that stops (SIGSTOP, a lost node) stops sending: its last allowance runs out all
-the same. Asked for it, the thread sends the training thread's Python stack.
+steps)`` (the steps after the first ``startup_steps``, without the phases reported in between),
+or ``startup_allowance_s`` while it restores, compiles (its first steps), stages its first save
+or waits for its final one; a later save's staging gets ``step_multiple`` times the previous
+one's, if that is more. A process that stops (SIGSTOP, a lost node) stops sending: its last
+allowance runs out all the same. Asked for it, the thread sends the training thread's Python stack.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class HangWatchdogConfig:
 
     floor_s: float = 5.0
     step_multiple: float = 10.0
-    startup_allowance_s: float = 600.0  # restore, the first ``startup_steps`` steps, a save's staging
+    startup_allowance_s: float = 600.0  # restore, the first ``startup_steps`` steps, the first and final saves
     startup_steps: int = 3
 
     def __post_init__(self) -> None:
@@ -69,17 +72,34 @@ class ProgressReporter:
             return False
         return True
 
+    @property
+    def allowance(self) -> float:
+        """How long this rank may now go without progress before it counts as hung."""
+        return self._allowance
+
     def phase(self, name: str, startup: bool = False) -> None:
-        """The training thread began ``name`` (``startup``: a restore or a save's staging, allowed
-        ``startup_allowance_s``)."""
+        """The training thread began ``name`` (``startup``: a restore or the wait for a final save,
+        allowed ``startup_allowance_s``)."""
         self._progress += 1
         self._phase = name
         self._allowance = self.config.startup_allowance_s if startup else self._steady_allowance()
 
+    def saving(self, name: str, previous_stall_s: float | None) -> None:
+        """The training thread began staging a save (``name``); ``previous_stall_s``: how long the
+        previous save of this attempt stalled it, None for its first (buffers are allocated then:
+        ``startup_allowance_s``)."""
+        if previous_stall_s is None:
+            self.phase(name, startup=True)
+            return
+        self.phase(name)
+        self._allowance = max(self._allowance, self.config.step_multiple * previous_stall_s)
+
     def step(self, seconds: float) -> None:
-        """A training step of ``seconds`` finished."""
+        """A training step of ``seconds`` finished (the first ``startup_steps`` of an attempt, slow
+        with compilation and warm-up, are left out of the p99)."""
         self._steps += 1
-        self._step_seconds.append(seconds)
+        if self._steps > self.config.startup_steps:
+            self._step_seconds.append(seconds)
         self.phase(f"step {self._steps} of this attempt")
 
     def _steady_allowance(self) -> float:
