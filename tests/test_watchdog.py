@@ -70,8 +70,9 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
                                                                                                tmp_path):
     """Two attempts' watchdogs. In one, a rank's training thread gets stuck while two others run a
     long step that reports progress and a slow save: nothing is declared while they progress, then
-    only the stuck one, with its stack. In the other, one rank is stopped and another waits for it (stalled too, but still
-    answering, as in a collective): the stopped one is declared, though both stalled."""
+    only the stuck one, with its stack. In the other, one rank is stopped and another waits for it
+    (stalled too, but still answering, as in a collective): the stopped one is declared, though
+    both stalled."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     storage = RunStorage(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
@@ -128,3 +129,21 @@ def test_warm_up_steps_do_not_raise_the_allowance_and_a_later_save_gets_a_multip
     progress.saving("save", 2.0)
     assert progress.allowance == 20.0
     progress.close()
+
+
+def test_the_watchdog_a_train_worker_starts_does_not_preload_the_workers_modules(ray_cluster):
+    """Created from a worker with spare workers' preload (torch, Ray Train), the watchdog actor
+    would inherit it: seconds before it answers, at every restart. It must import only what it uses."""
+    from ray_resilient.spare_workers import helper_runtime_env, worker_env
+
+    @ray.remote(num_cpus=0)
+    def start_watchdog_from_a_preloading_worker() -> list[bool]:
+        import torch  # noqa: F401 - preloaded here, as in a train worker
+
+        watchdog = HangWatchdog.options(runtime_env=helper_runtime_env()).remote(None)
+        imported = ray.get(watchdog.__ray_call__.remote(lambda _: [m in sys.modules for m in ("torch", "ray.train")]))
+        ray.kill(watchdog)
+        return imported
+
+    preloading = {"env_vars": worker_env(("torch", "ray.train.torch"))}
+    assert ray.get(start_watchdog_from_a_preloading_worker.options(runtime_env=preloading).remote()) == [False, False]

@@ -42,7 +42,7 @@ from ray_resilient.checkpoint.state import TrainingComponents, TrainState
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import SaveResult
 from ray_resilient.faults import FaultInjector
-from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
+from ray_resilient.spare_workers import SpareWorkerRequest, helper_runtime_env, spares_enabled
 from ray_resilient.tracking import MetricsLogger
 from ray_resilient.watchdog.monitor import HangWatchdog, watchdog_address
 from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
@@ -210,7 +210,7 @@ class Checkpointer:
         watchdog, name = None, None
         if self.rank == 0:
             name = f"ray_resilient_watchdog_{uuid.uuid4().hex}"
-            watchdog = HangWatchdog.options(name=name).remote(self.storage)
+            watchdog = HangWatchdog.options(name=name, runtime_env=helper_runtime_env()).remote(self.storage)
         name = broadcast_from_rank0(self._writer.group, name)
         identity = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                     "node_id": ray.get_runtime_context().get_node_id()}
