@@ -50,7 +50,7 @@ from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
 logger = logging.getLogger(__name__)
 
 RECENT_SAVES = 100  # SaveResults kept in Checkpointer.recent_saves
-WATCHDOG_START_TIMEOUT_S = 60.0  # how long the end of a restore waits for the hang watchdog to hear this rank
+WATCHDOG_START_TIMEOUT_S = 60.0  # how long a rank waits, as its startup allowance ends, for the hang watchdog to hear it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +221,14 @@ class Checkpointer:
         if self._progress is not None:
             self._progress.phase(phase, startup)
 
+    def _await_watchdog(self, steps: int) -> None:
+        """After ``steps`` steps of the attempt: once the startup allowance ends, wait until the
+        watchdog (an actor started with the attempt, a new process) hears this rank, so that
+        the steady allowance is watched from its first step. Until then it comes up while the
+        rank restores and runs its first steps, off the recovery's critical path."""
+        if self._progress is not None and steps == self._progress.config.startup_steps:
+            self._progress.wait_connected(WATCHDOG_START_TIMEOUT_S)
+
     def _note_save(self, phase: str) -> None:
         """Tell the hang watchdog the training thread began staging a save (``phase``)."""
         if self._progress is not None:
@@ -299,8 +307,7 @@ class Checkpointer:
         return self.train_state
 
     def _restored(self, wall_started: float) -> None:
-        if self._progress is not None:  # started with the attempt, it came up while this rank restored
-            self._progress.wait_connected(WATCHDOG_START_TIMEOUT_S)
+        self._await_watchdog(0)
         self._note("training")
         self.policy.restored(self.train_state.step, self.train_state.interval_steps)
         self.goodput.restored(wall_started, self.train_state.step)
@@ -325,6 +332,7 @@ class Checkpointer:
         self.policy.step_finished(ended - self._mark)
         if self._progress is not None:  # the step alone: not an evaluation reported in between
             self._progress.step(ended - max(self._mark, self._last_progress))
+            self._await_watchdog(self._progress.steps)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
         if not self._first_step_done:
