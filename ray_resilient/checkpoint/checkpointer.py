@@ -50,7 +50,7 @@ from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
 logger = logging.getLogger(__name__)
 
 RECENT_SAVES = 100  # SaveResults kept in Checkpointer.recent_saves
-WATCHDOG_START_TIMEOUT_S = 60.0  # how long a rank waits, as its startup allowance ends, for the hang watchdog to hear it
+WATCHDOG_START_TIMEOUT_S = 60.0  # how long a rank waits for the hang watchdog to hear it, as its startup allowance ends
 
 
 @dataclasses.dataclass(frozen=True)
