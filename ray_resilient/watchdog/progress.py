@@ -108,7 +108,7 @@ class ProgressReporter:
         self.phase(f"step {self._steps} of this attempt")
 
     def _steady_allowance(self) -> float:
-        if self._steps < self.config.startup_steps or not self._step_seconds:
+        if not self._step_seconds:  # still in the first startup_steps: step() keeps none of them
             return self.config.startup_allowance_s
         ordered = sorted(self._step_seconds)
         p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
