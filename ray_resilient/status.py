@@ -15,7 +15,7 @@ from typing import Literal
 
 import pyarrow.fs as pafs
 
-from ray_resilient.checkpoint.integrity import verify_checksums
+from ray_resilient.checkpoint.integrity import VERIFY_THREADS, verify_checksums
 from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints, parse_checkpoint_dir_name
 from ray_resilient.checkpoint.lease import LEASE_FILE
 from ray_resilient.checkpoint.restore import read_header
@@ -25,7 +25,6 @@ from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LEDGER_DIR, read_events
 
 Verify = Literal["none", "newest", "all"]
-VERIFY_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def _verify(storage: CheckpointStorage, checkpoint: CheckpointDir) -> tuple[bool
     """Whether a restore would read ``checkpoint`` (complete), and why not."""
     try:
         verify_checksums(storage.filesystem, checkpoint.path, rank=0, world_size=1)  # one reader: every shard
-        read_header(storage, checkpoint.path)
+        read_header(storage.reader(checkpoint.path, fetch=False))  # verified just now: no copy
     except BaseException as error:  # noqa: BLE001 - DCP's CheckpointException derives from BaseException
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise

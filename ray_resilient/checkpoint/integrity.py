@@ -2,9 +2,11 @@
 
 Each rank writes ``checksums_rank_<r>.json`` (SHA-256 and size of each of its shard files) into
 the checkpoint directory after its shards and before ``.metadata`` commits the checkpoint (for
-remote storage it is uploaded with the shards). A restore verifies every file listed, the ranks
-sharing the files between them, before any tensor is read: a flipped bit or a truncated upload
-makes the checkpoint unreadable (the restore falls back past it) instead of silently loaded.
+remote storage it is uploaded with the shards). Before any tensor is read, a restore verifies
+every file listed, the ranks sharing the files between them (on remote storage, each file a rank
+reads as it is fetched into the node's copy, :mod:`~ray_resilient.checkpoint.node_copy`): a flipped
+bit or a truncated upload makes the checkpoint unreadable (the restore falls back past it) instead
+of silently loaded.
 A checkpoint without checksum files (written before they existed) is not verified. What a
 manifest names is held to :mod:`~ray_resilient.checkpoint.trust`'s rules; a file whose size
 differs from the recorded one fails without being read.
@@ -16,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import BinaryIO
 
 import pyarrow.fs as pafs
@@ -26,6 +29,7 @@ from ray_resilient.checkpoint.trust import (
 
 CHECKSUMS_RE = re.compile(r"^checksums_rank_(\d+)\.json$")
 CHUNK_BYTES = 8 << 20
+VERIFY_THREADS = 8  # files a verification streams at once
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -82,8 +86,41 @@ def record_checksums(directory: str, rank: int, files: list[str], sync: bool) ->
     os.replace(f"{path}.tmp", path)
 
 
+def check_digest(name: str, digest: str, size: int, expected: dict) -> None:
+    """:class:`ChecksumMismatchError` unless ``(digest, size)`` of shard ``name`` are the ``expected``
+    entry of its manifest."""
+    if (digest, size) != (expected["sha256"], expected["bytes"]):
+        raise ChecksumMismatchError(
+            f"shard {name} fails its checksum ({size} bytes, sha256 {digest[:12]}..., written as "
+            f"{expected['bytes']} bytes, sha256 {expected['sha256'][:12]}...): corrupted or truncated"
+        )
+
+
+def check_listed_size(name: str, listed: int | None, expected: dict) -> None:
+    """:class:`ChecksumMismatchError` when shard ``name`` is missing or its listed size is not the
+    recorded one (checked before any byte of it is read)."""
+    if listed is None:
+        raise ChecksumMismatchError(f"shard {name} is missing")
+    if listed != expected["bytes"]:
+        raise ChecksumMismatchError(f"shard {name} fails its checksum ({listed} bytes, written as "
+                                    f"{expected['bytes']} bytes): truncated or replaced")
+
+
+def verify_file(fs: pafs.FileSystem, path: str, name: str, expected: dict, listed: int | None) -> None:
+    """Stream shard ``name`` of the checkpoint at ``path`` once, checking it against its ``expected``
+    manifest entry (``listed``: its size in the directory listing)."""
+    check_listed_size(name, listed, expected)
+    try:
+        with fs.open_input_stream(f"{path}/{name}") as stream:
+            digest, size = _sha256(stream, limit=expected["bytes"])
+    except FileNotFoundError as err:
+        raise ChecksumMismatchError(f"shard {name} is missing") from err
+    check_digest(name, digest, size, expected)
+
+
 def verify_checksums(fs: pafs.FileSystem, path: str, rank: int, world_size: int) -> int:
-    """Verify this rank's share of the checkpoint's recorded files. Returns how many it checked.
+    """Verify this rank's share of the checkpoint's recorded files, each streamed once, up to
+    ``VERIFY_THREADS`` at a time. Returns how many it checked.
 
     Raises :class:`ChecksumMismatchError` naming the file when one differs or is missing, and
     :class:`~ray_resilient.checkpoint.trust.UntrustedCheckpointError` for a manifest that names
@@ -91,19 +128,6 @@ def verify_checksums(fs: pafs.FileSystem, path: str, rank: int, world_size: int)
     files = regular_files(fs, path)
     manifest = read_manifest(fs, path, files)
     mine = sorted(manifest)[rank::world_size]
-    for name in mine:
-        expected = manifest[name]
-        if files[name] != expected["bytes"]:
-            raise ChecksumMismatchError(f"shard {name} fails its checksum ({files[name]} bytes, written as "
-                                        f"{expected['bytes']} bytes): truncated or replaced")
-        try:
-            with fs.open_input_stream(f"{path}/{name}") as stream:
-                digest, size = _sha256(stream, limit=expected["bytes"])
-        except FileNotFoundError as err:
-            raise ChecksumMismatchError(f"shard {name} is missing") from err
-        if (digest, size) != (expected["sha256"], expected["bytes"]):
-            raise ChecksumMismatchError(
-                f"shard {name} fails its checksum ({size} bytes, sha256 {digest[:12]}..., written as "
-                f"{expected['bytes']} bytes, sha256 {expected['sha256'][:12]}...): corrupted or truncated"
-            )
+    with ThreadPoolExecutor(max_workers=VERIFY_THREADS) as pool:
+        list(pool.map(lambda name: verify_file(fs, path, name, manifest[name], files.get(name)), mine))
     return len(mine)

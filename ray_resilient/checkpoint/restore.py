@@ -9,10 +9,12 @@ delete the run's real checkpoints. When complete checkpoints exist but none can 
 restore fails too (:class:`NoLoadableCheckpointError`) instead of silently starting fresh.
 
 Loading goes stage by stage, the ranks agreeing after each, so that every rank takes the same
-path: the shard checksums (:mod:`~ray_resilient.checkpoint.integrity`, each rank a share of the
-files); the train state and ``.metadata``; a check of the job's state against ``.metadata``; the
-small parts (per-rank RNG, data position and buffers, scheduler, scaler, extras); the data
-position (which the data object may refuse); the model and optimizer. DCP reads the model and
+path: on local storage the shard checksums (:mod:`~ray_resilient.checkpoint.integrity`, each rank
+a share of the files; on remote storage each file is verified as it is fetched into the node's
+copy, :mod:`~ray_resilient.checkpoint.node_copy`); the train state and ``.metadata``; a check of
+the job's state against ``.metadata``; the small parts (per-rank RNG, data position and buffers,
+scheduler, scaler, extras); the data position (which the data object may refuse); the model and
+optimizer. DCP reads the model and
 optimizer in place; everything else is applied only once every rank has read everything. A
 checkpoint abandoned halfway leaves nothing the job runs with: the next candidate overwrites every
 key, and when none loads the restore raises.
@@ -33,15 +35,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ray_resilient._torch_internals import flatten_like_dcp
 from ray_resilient.checkpoint.collectives import worst_on_any_rank
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
-from ray_resilient.checkpoint.integrity import verify_checksums
+from ray_resilient.checkpoint.integrity import ChecksumMismatchError, verify_checksums
 from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints
+from ray_resilient.checkpoint.node_copy import keep_only
 from ray_resilient.checkpoint.safe_loading import WeightsOnlyLoadPlanner
 from ray_resilient.checkpoint.state import (
     BUFFERS, EXTRAS, GRAD_SCALER, LR_SCHEDULER, MODEL, OPTIMIZER, RANK_STATE, TRAIN_STATE, TrainingComponents,
     TrainState, rank_key,
 )
-from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.checkpoint.trust import check_world_size
+from ray_resilient.checkpoint.storage import ArrowDCPReader, CheckpointStorage
+from ray_resilient.checkpoint.trust import UntrustedCheckpointError, check_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -106,31 +109,38 @@ def incompatibilities(metadata: Metadata, state: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _read(storage: CheckpointStorage, path: str, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-    """``dcp.load`` into ``state``, retried with backoff (DCP fails on every rank together)."""
+def _damaged(err: BaseException) -> bool:
+    """Whether a failed read found the checkpoint damaged or untrusted, which a retry cannot fix."""
+    failures = getattr(err, "failures", {})  # DCP's CheckpointException: rank -> (exception, trace)
+    found = [err, *(pair[0] for pair in failures.values())]
+    return any(isinstance(e, (ChecksumMismatchError, UntrustedCheckpointError)) for e in found)
+
+
+def _read(reader: ArrowDCPReader, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+    """``dcp.load`` into ``state``, retried with backoff (DCP fails on every rank together) unless the
+    checkpoint is damaged."""
     for attempt in range(READ_ATTEMPTS):
         try:
-            dcp.load(state, storage_reader=storage.reader(path), planner=WeightsOnlyLoadPlanner(), process_group=group)
+            dcp.load(state, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), process_group=group)
             return
         except BaseException as err:  # DCP's CheckpointException derives from BaseException.
-            if isinstance(err, (KeyboardInterrupt, SystemExit)) or attempt + 1 == READ_ATTEMPTS:
+            if isinstance(err, (KeyboardInterrupt, SystemExit)) or attempt + 1 == READ_ATTEMPTS or _damaged(err):
                 raise
-            logger.warning("Reading %s failed (%s: %s); retrying", path, type(err).__name__, err)
+            logger.warning("Reading %s failed (%s: %s); retrying", reader.path, type(err).__name__, err)
             time.sleep(READ_BACKOFF_S * 2**attempt)
 
 
-def read_header(storage: CheckpointStorage, path: str,
-                group: dist.ProcessGroup | None = None) -> tuple[TrainState, Metadata]:
+def read_header(reader: ArrowDCPReader, group: dist.ProcessGroup | None = None) -> tuple[TrainState, Metadata]:
     """The checkpoint's ``.metadata`` (read safely, its byte ranges checked) and train state (its
     world size checked), before anything else of it is read."""
-    metadata = storage.reader(path).read_metadata()  # first: its refusal names what it refers to
+    metadata = reader.read_metadata()  # first: its refusal names what it refers to
     # The fields this checkpoint has: one written before a field was added still loads.
     box = {TRAIN_STATE: {key: value for key, value in TrainState().state_dict().items()
                          if f"{TRAIN_STATE}.{key}" in metadata.state_dict_metadata}}
-    _read(storage, path, box, group)
+    _read(reader, box, group)
     saved = TrainState()
     saved.load_state_dict(box[TRAIN_STATE])
-    check_world_size(path, saved.world_size)  # before anything is allocated per saved rank
+    check_world_size(reader.path, saved.world_size)  # before anything is allocated per saved rank
     return saved, metadata
 
 
@@ -156,10 +166,12 @@ def _load(
     """Read one checkpoint (see the module docstring). Returns the outcome and, when it loaded,
     (train state, the loaded state to apply, warnings)."""
 
-    outcome, _ = _stage(group, UNREADABLE, lambda: verify_checksums(storage.filesystem, path, rank, world_size))
-    if outcome[0] != OK:
-        return outcome, None
-    outcome, found = _stage(group, UNREADABLE, lambda: read_header(storage, path, group))
+    if not storage.is_remote:  # a remote checkpoint's files are verified as they are fetched
+        outcome, _ = _stage(group, UNREADABLE, lambda: verify_checksums(storage.filesystem, path, rank, world_size))
+        if outcome[0] != OK:
+            return outcome, None
+    reader = storage.reader(path)
+    outcome, found = _stage(group, UNREADABLE, lambda: read_header(reader, group))
     if outcome[0] != OK:
         return outcome, None
     saved, metadata = found
@@ -178,9 +190,9 @@ def _load(
     large = {part: value for part, value in state.items() if part in (MODEL, OPTIMIZER)}
     stages = (
         (INCOMPATIBLE, check),
-        (UNREADABLE, lambda: _read(storage, path, small, group)),
+        (UNREADABLE, lambda: _read(reader, small, group)),
         (INCOMPATIBLE, lambda: components.apply_data_position(small, saved, rank, world_size)),
-        (UNREADABLE, lambda: _read(storage, path, large, group)),
+        (UNREADABLE, lambda: _read(reader, large, group)),
     )
     warnings: list[str] = []
     for severity, fn in stages:
@@ -227,6 +239,8 @@ def load_newest_loadable(
         for warning in warnings + applied:
             logger.warning("Restored %s: %s", ckpt.path, warning)
         logger.info("Restored %s (step %d) in %.3fs", ckpt.path, saved.step, time.monotonic() - started)
+        if storage.is_remote:  # every rank has read what it needs: the node keeps this copy only
+            keep_only(storage.local_dir, ckpt.path.rstrip("/").rsplit("/", 1)[-1])
         return ckpt, saved
     if skipped:
         raise NoLoadableCheckpointError(

@@ -14,7 +14,9 @@ lead share.
 - Finished saves counted, too many failed in a row escalated
   (:class:`~ray_resilient.checkpoint.save_outcomes.SaveOutcomes`).
 - Closing: the saves in flight written and the lease released, or after a failure abandoned (they
-  stay partial) and the lease left for a restart to take back.
+  stay partial) and the lease left for a restart to take back. When the run ends (closed without
+  an error, or with an unrecoverable one), the node's checkpoint copies
+  (:mod:`~ray_resilient.checkpoint.node_copy`) are deleted.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ray_resilient._ray_internals import train_run_id
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.layout import delete_partial_checkpoints
 from ray_resilient.checkpoint.lease import TTL_S, RunLease
+from ray_resilient.checkpoint.node_copy import drop_node_copies
 from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints
 from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError, SaveOutcomes
 from ray_resilient.checkpoint.storage import CheckpointStorage
@@ -105,15 +108,21 @@ class CheckpointSession:
                 f"the save of step {step} has been writing for {age:.0f} s, more than save_timeout_s="
                 f"{self.save_timeout_s:g}: the storage looks hung; stopping this attempt") from None
 
+    def _run_ended(self) -> None:
+        if self.storage.is_remote:  # the node's copy of a checkpoint is for a restart of the run
+            drop_node_copies(self.storage.local_dir)
+
     def close(self, error: BaseException | None = None) -> None:
         """Wait for the saves in flight and release the lease; after ``error``, abandon the saves in
         flight and leave the lease to a restart of the run (released when ``error`` ends the run)."""
         if error is None:
             self.writer.close()
             self.lease.release()
+            self._run_ended()
             return
         self.writer.abandon()
         if isinstance(error, UnrecoverableRunError):
             self.lease.release()
+            self._run_ended()
         else:  # a restart of this run takes the lease back; if none comes, it expires
             self.lease.stop()

@@ -3,8 +3,9 @@
 Local storage (a disk or a shared mount) is written in place by DCP. Remote storage (S3, GCS,
 ...) is written through fast local disk: DCP writes the shards locally, each rank uploads its
 own files, and ``.metadata`` is uploaded last, once every rank's upload has succeeded.
-Reading goes straight from the filesystem, remote or not, through :class:`ArrowDCPReader`, so
-each rank reads only the byte ranges it needs.
+Reading goes through :class:`ArrowDCPReader`: on local storage straight from the files, on remote
+storage from the node's copy of the files a rank's load plan names, each fetched once per node and
+verified as it streams (:mod:`~ray_resilient.checkpoint.node_copy`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ray_resilient._torch_internals import read_reader_metadata, redirect_reader
 from ray_resilient.checkpoint.layout import METADATA_FILE
+from ray_resilient.checkpoint.node_copy import MIN_FREE_BYTES, FetchRecord, NodeCopy
 from ray_resilient.checkpoint.safe_loading import read_metadata
 from ray_resilient.checkpoint.trust import MAX_METADATA_BYTES, check_size, check_storage_data, regular_files
 from ray_resilient.storage.run import RunStorage
@@ -30,9 +33,19 @@ from ray_resilient.storage.run import RunStorage
 MAX_PARALLEL_UPLOADS = 8  # a rank's shard files (one per write thread) upload at once
 
 
+@dataclass(frozen=True)
 class CheckpointStorage(RunStorage):
     """Where one run's checkpoints go: its :class:`~ray_resilient.storage.RunStorage`, with the
-    checkpoint directories, local staging and uploads on it."""
+    checkpoint directories, local staging, uploads and the node's copies of remote checkpoints on it.
+
+    Args:
+        min_free_bytes: the local disk space a restore's fetch into the node's copy leaves free
+            (a file that does not fit is read from remote storage instead).
+        fetched: what this process fetched from remote storage for restores.
+    """
+
+    min_free_bytes: int = MIN_FREE_BYTES
+    fetched: FetchRecord = field(default_factory=FetchRecord, compare=False)
 
     def checkpoint_path(self, name: str) -> str:
         return f"{self.experiment_path}/{name}"
@@ -67,8 +80,14 @@ class CheckpointStorage(RunStorage):
             str(local), remote, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.filesystem
         )
 
-    def reader(self, path: str) -> "ArrowDCPReader":
-        return ArrowDCPReader(self.filesystem, path)
+    def reader(self, path: str, fetch: bool = True) -> "ArrowDCPReader":
+        """A DCP reader of the checkpoint at ``path``; on remote storage it reads the node's copy
+        (fetched as needed) unless ``fetch`` is False (then it streams ranges from remote storage)."""
+        copy = None
+        if fetch and self.is_remote:
+            copy = NodeCopy(self.filesystem, path, self.local_dir, min_free_bytes=self.min_free_bytes,
+                            record=self.fetched)
+        return ArrowDCPReader(self.filesystem, path, copy)
 
 
 class _ArrowFileSystem(FileSystemBase):
@@ -76,12 +95,14 @@ class _ArrowFileSystem(FileSystemBase):
 
     def __init__(self, fs: pafs.FileSystem):
         self.fs = fs
+        self.local_copies: dict[str, str] = {}  # path -> the local file to read instead
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator:
         if mode != "rb":
             raise ValueError(f"ArrowDCPReader is read-only, got mode {mode!r}")
-        with self.fs.open_input_file(os.fspath(path)) as stream:
+        local = self.local_copies.get(os.fspath(path))
+        with open(local, "rb") if local is not None else self.fs.open_input_file(os.fspath(path)) as stream:
             yield stream
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
@@ -113,12 +134,14 @@ class _ArrowFileSystem(FileSystemBase):
 class ArrowDCPReader(FileSystemReader):
     """A DCP ``StorageReader`` for a checkpoint directory on any pyarrow filesystem, reading
     ``.metadata`` without running code from it (:mod:`~ray_resilient.checkpoint.safe_loading`)
-    and only byte ranges inside the directory's own files (:mod:`~ray_resilient.checkpoint.trust`)."""
+    and only byte ranges inside the directory's own files (:mod:`~ray_resilient.checkpoint.trust`);
+    with a ``node_copy``, the shard files from it."""
 
-    def __init__(self, fs: pafs.FileSystem, path: str):
+    def __init__(self, fs: pafs.FileSystem, path: str, node_copy: NodeCopy | None = None):
         super().__init__(path)
-        redirect_reader(self, _ArrowFileSystem(fs), path)
-        self._arrow_fs, self._directory = fs, path
+        self._files = _ArrowFileSystem(fs)
+        redirect_reader(self, self._files, path)
+        self._arrow_fs, self._directory, self._node_copy = fs, path, node_copy
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         files = regular_files(self._arrow_fs, self._directory)
@@ -126,3 +149,10 @@ class ArrowDCPReader(FileSystemReader):
         metadata = read_reader_metadata(self, kwargs.get("rank"), read_metadata)
         check_storage_data(self._directory, metadata, files)
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        if self._node_copy is not None:
+            names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            self._files.local_copies.update({f"{self._directory}/{name}": local
+                                             for name, local in self._node_copy.local_paths(names).items()})
+        return super().read_data(plan, planner)

@@ -31,6 +31,7 @@ from ray_resilient._torch_internals import written_file
 from ray_resilient.checkpoint.collectives import all_ranks_agree
 from ray_resilient.checkpoint.integrity import record_checksums
 from ray_resilient.checkpoint.layout import delete_partial_checkpoints, refuse_complete
+from ray_resilient.checkpoint.node_copy import keep_saved
 from ray_resilient.checkpoint.staging import HostStager
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.faults import FaultInjector
@@ -226,17 +227,28 @@ class AsyncCheckpointWriter:
             ok = self._agree(attempt("uploading shards", lambda: self._upload_shards(step, name)))
             if ok:
                 ok = self._agree(self.rank != 0 or attempt("uploading .metadata", lambda: self._commit_remote(name)))
-        if self.storage.is_remote:
-            shutil.rmtree(self.storage.write_dir(name, self.rank), ignore_errors=True)
         durable_seconds = time.monotonic() - started
         if ok:
             logger.info("Checkpoint %s durable %.3fs after the save began", path, durable_seconds)
             self.on_durable(step, time.time())
             self.faults.fire("durable", step)
-            if self.rank == 0:
-                attempt("collecting partial checkpoints", lambda: delete_partial_checkpoints(
-                    self.storage.filesystem, self.storage.experiment_path))
+        if self.storage.is_remote:
+            if ok:
+                self._keep_node_copy(name)
+            shutil.rmtree(self.storage.write_dir(name, self.rank), ignore_errors=True)
+        if ok and self.rank == 0:
+            attempt("collecting partial checkpoints", lambda: delete_partial_checkpoints(
+                self.storage.filesystem, self.storage.experiment_path))
         return SaveResult(step, path, ok, stage_seconds, durable_seconds, None if ok else error or "another rank failed")
+
+    def _keep_node_copy(self, name: str) -> None:
+        """Keep this rank's files of the durable checkpoint ``name`` as the node's copy of it (a restart
+        on this node reads them without a download); a failure costs only that."""
+        try:
+            keep_saved(self.storage.write_dir(name, self.rank), self.storage.local_dir, name, self.rank)
+        except (OSError, ValueError) as err:
+            logger.warning("Could not keep checkpoint %s's shards on this node (%s): a restore fetches them", name,
+                           err)
 
     def _write_shards(self, staged: dict[str, Any], step: int, name: str) -> None:
         refuse_complete(self.storage.filesystem, self.storage.checkpoint_path(name))

@@ -1,0 +1,259 @@
+"""The node's copy of a checkpoint on remote storage: what a restore reads, each file fetched once per node.
+
+A restore from remote storage (S3, GCS, ...) does not read shards through small ranged reads of
+the remote objects. Each shard file a rank's load plan names is fetched whole into the node's
+copy (``<local_dir>/checkpoints/<checkpoint name>/``), several files at once and each in parallel
+ranged GETs of ``FETCH_CHUNK_BYTES``, its SHA-256 computed as the bytes arrive and checked against
+the checkpoint's manifest (:mod:`~ray_resilient.checkpoint.integrity`) before the file is renamed
+into place; DCP then reads the local file. The ranks of a node share the copy (a lock per file),
+so each file is fetched once per node whichever of its ranks need it.
+
+Local first: once a checkpoint is durable, the shards this node's ranks wrote for it are moved out
+of the upload staging into its copy, so a restart on the same node reads them with no download.
+Every file of a copy has its SHA-256 beside it (``<file>.sha256``, computed as its bytes were
+written); a file is used only when that and its size match the manifest.
+
+Limits: a node keeps the copy of one checkpoint, the newest it saved or restored (its share: the
+shards its ranks wrote or read); the others are deleted when a checkpoint is kept, and that one
+when the run ends (it finishes, or fails in a way no restart can fix). A file whose
+fetch would leave less than ``min_free_bytes`` free on the local disk, or that the disk refuses
+(full, over quota, read-only), is not copied: a warning names the directory, and the file is
+verified and read straight from remote storage (streaming, slower) instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pyarrow.fs as pafs
+
+from ray_resilient.checkpoint.integrity import (
+    check_digest, check_listed_size, read_manifest, verify_file,
+)
+from ray_resilient.checkpoint.layout import parse_checkpoint_dir_name
+from ray_resilient.checkpoint.trust import regular_files
+
+logger = logging.getLogger(__name__)
+
+NODE_COPIES = "checkpoints"  # under the storage's local_dir
+FETCH_CHUNK_BYTES = 8 << 20  # one ranged GET
+FETCH_FILES = 4  # files fetched at once
+FETCH_GETS = 8  # ranged GETs in flight
+FETCH_WINDOW = 4  # a file's chunks fetched ahead of the one being hashed and written
+MIN_FREE_BYTES = 1 << 30  # the local disk space a fetch leaves free by default
+DIGEST_SUFFIX = ".sha256"
+
+
+@dataclass
+class FetchRecord:
+    """What this process fetched from remote storage (``files``: ``<checkpoint>/<file>``), and what it
+    read from there instead because the local disk would not take it (``streamed``)."""
+
+    files: list[str] = field(default_factory=list)
+    bytes: int = 0
+    streamed: list[str] = field(default_factory=list)
+
+
+class _LocalDiskError(OSError):
+    """Writing the node's copy failed: the file is read from remote storage instead."""
+
+
+def node_copy_dir(local_dir: str, name: str) -> str:
+    """The directory of checkpoint ``name``'s copy on this node."""
+    return os.path.join(local_dir, NODE_COPIES, name)
+
+
+def keep_saved(written_dir: str, local_dir: str, name: str, rank: int) -> None:
+    """Make the shards this rank wrote for checkpoint ``name`` (now durable) the node's copy of it:
+    moved from ``written_dir`` with the checksums it recorded; the node's other copies are deleted."""
+    with open(os.path.join(written_dir, f"checksums_rank_{rank}.json")) as stream:
+        manifest = json.load(stream)
+    directory = node_copy_dir(local_dir, name)
+    os.makedirs(directory, exist_ok=True)
+    for file, entry in manifest.items():
+        os.replace(os.path.join(written_dir, file), os.path.join(directory, file))
+        _write_digest(os.path.join(directory, file), entry["sha256"])
+    keep_only(local_dir, name)
+
+
+def keep_only(local_dir: str, name: str) -> None:
+    """Delete the node's checkpoint copies other than ``name``'s."""
+    root = os.path.join(local_dir, NODE_COPIES)
+    for other in os.listdir(root) if os.path.isdir(root) else ():
+        if other != name and parse_checkpoint_dir_name(other) is not None:
+            shutil.rmtree(os.path.join(root, other), ignore_errors=True)
+
+
+def drop_node_copies(local_dir: str) -> None:
+    """Delete every checkpoint copy of the node (the run ended: no restart will read them)."""
+    shutil.rmtree(os.path.join(local_dir, NODE_COPIES), ignore_errors=True)
+
+
+def _write_digest(path: str, digest: str) -> None:
+    with open(f"{path}{DIGEST_SUFFIX}.tmp", "w") as out:
+        out.write(digest)
+    os.replace(f"{path}{DIGEST_SUFFIX}.tmp", f"{path}{DIGEST_SUFFIX}")
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """An exclusive lock on ``path`` shared by every process of the node (and every thread)."""
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class NodeCopy:
+    """The files of the remote checkpoint directory ``remote_dir`` that this process reads, as local
+    paths in the node's copy (see the module docstring).
+
+    Args:
+        fs, remote_dir: the checkpoint on remote storage.
+        local_dir: the storage's node-local directory.
+        min_free_bytes: the local disk space a fetch must leave free.
+        record: where this process counts what it fetched.
+    """
+
+    def __init__(self, fs: pafs.FileSystem, remote_dir: str, local_dir: str, *,
+                 min_free_bytes: int = MIN_FREE_BYTES, record: FetchRecord | None = None):
+        self.fs, self.remote_dir = fs, remote_dir
+        self.name = os.path.basename(remote_dir.rstrip("/"))
+        self.local_dir = local_dir
+        self.directory = node_copy_dir(local_dir, self.name)
+        self.min_free_bytes = min_free_bytes
+        self.record = record if record is not None else FetchRecord()
+        self._listed: dict[str, int] | None = None
+        self._manifest: dict[str, dict] = {}
+        self._placed: dict[str, str | None] = {}  # file -> local path, or None: read remotely
+        self._record_lock = threading.Lock()
+
+    def local_paths(self, names: Iterable[str]) -> dict[str, str]:
+        """The local path of each file of ``names``, fetched where the node has no copy of it; a file
+        the local disk would not take is verified on remote storage instead and left out."""
+        wanted = sorted(set(names) - self._placed.keys())
+        if wanted:
+            if self._listed is None:
+                self._listed = regular_files(self.fs, self.remote_dir)
+                self._manifest = read_manifest(self.fs, self.remote_dir, self._listed)
+            with ThreadPoolExecutor(FETCH_FILES) as files, ThreadPoolExecutor(FETCH_GETS) as gets:
+                self._placed.update(zip(wanted, files.map(lambda name: self._place(name, gets), wanted)))
+        return {name: self._placed[name] for name in names if self._placed.get(name) is not None}
+
+    def _place(self, name: str, gets: ThreadPoolExecutor) -> str | None:
+        listed = self._listed.get(name)
+        expected = self._manifest.get(name) or {"sha256": None, "bytes": listed}
+        check_listed_size(name, listed, expected)
+        path = os.path.join(self.directory, name)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with _locked(os.path.join(self.directory, f".{name}.lock")):
+                if self._has_copy(path, expected):
+                    return path
+                free = shutil.disk_usage(self.directory).free
+                if free - listed < self.min_free_bytes:
+                    raise _LocalDiskError(f"{free} bytes free, {listed} to fetch and min_free_bytes="
+                                          f"{self.min_free_bytes} to leave")
+                self._fetch(name, path, expected, gets)
+                return path
+        except _LocalDiskError as err:
+            return self._stream_instead(name, expected, listed, str(err))
+        except OSError as err:
+            if err.filename is not None and str(err.filename).startswith(self.directory):
+                return self._stream_instead(name, expected, listed, str(err))  # the lock or the directory
+            raise
+
+    def _has_copy(self, path: str, expected: dict) -> bool:
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != expected["bytes"]:
+            return False
+        if expected["sha256"] is None:
+            return True
+        try:
+            with open(f"{path}{DIGEST_SUFFIX}") as stream:
+                return stream.read() == expected["sha256"]
+        except FileNotFoundError:
+            return False
+
+    def _fetch(self, name: str, path: str, expected: dict, gets: ThreadPoolExecutor) -> None:
+        """Fetch ``name`` into ``path``, hashed as it arrives; renamed into place only once it matches."""
+        size, part = expected["bytes"], f"{path}.part"
+        digest, window = hashlib.sha256(), deque[Future[bytes]]()
+        offsets = iter(range(0, size, FETCH_CHUNK_BYTES))
+        try:
+            with self.fs.open_input_file(f"{self.remote_dir}/{name}") as source, self._open_local(part) as out:
+                def more() -> None:
+                    for offset in offsets:
+                        window.append(gets.submit(source.read_at, min(FETCH_CHUNK_BYTES, size - offset), offset))
+                        if len(window) >= FETCH_WINDOW:
+                            return
+                try:
+                    more()
+                    while window:
+                        chunk = window.popleft().result()
+                        more()
+                        digest.update(chunk)
+                        self._write(out, chunk)
+                finally:
+                    for pending in window:  # an error: no read may outlive the file it reads
+                        pending.cancel()
+                    for pending in window:
+                        if not pending.cancelled():
+                            pending.exception()
+            if expected["sha256"] is not None:
+                check_digest(name, digest.hexdigest(), os.path.getsize(part), expected)
+            os.replace(part, path)
+            _write_digest(path, digest.hexdigest())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(part)
+            raise
+        with self._record_lock:
+            self.record.files.append(f"{self.name}/{name}")
+            self.record.bytes += size
+        logger.debug("Fetched %s/%s (%d bytes) into %s", self.remote_dir, name, size, self.directory)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _open_local(path: str) -> Iterator:
+        try:
+            out = open(path, "wb")
+        except OSError as err:
+            raise _LocalDiskError(str(err)) from err
+        try:
+            yield out
+        finally:
+            try:
+                out.close()
+            except OSError as err:
+                raise _LocalDiskError(str(err)) from err
+
+    @staticmethod
+    def _write(out, chunk: bytes) -> None:
+        try:
+            out.write(chunk)
+        except OSError as err:
+            raise _LocalDiskError(str(err)) from err
+
+    def _stream_instead(self, name: str, expected: dict, listed: int, why: str) -> None:
+        """Verify ``name`` on remote storage (streamed once), for DCP to read it from there."""
+        logger.warning("Not copying %s of checkpoint %s to local disk (%s: %s): verifying it and reading it "
+                       "from remote storage instead, which is slower. Free space in that directory, or give the "
+                       "storage another local_dir.", name, self.name, self.directory, why)
+        if expected["sha256"] is not None:
+            verify_file(self.fs, self.remote_dir, name, expected, listed)
+        with self._record_lock:
+            self.record.streamed.append(f"{self.name}/{name}")
+        return None
