@@ -264,8 +264,10 @@ def steady_intervals(events: list[dict[str, Any]]) -> list[int]:
     return gaps
 
 
-def analyse(run: str, fit: Fit, foreign: float, job: ChaosJob, args: argparse.Namespace) -> dict[str, Any]:
-    """The measured and predicted goodput of one run, its breakdown, its timeline (PNG) and report."""
+def analyse(run: str, fit: Fit, foreign: float, job: ChaosJob, args: argparse.Namespace,
+            whole_group_step: float | None = None) -> dict[str, Any]:
+    """The measured and predicted goodput of one run, its breakdown, its timeline (PNG) and report;
+    in survivor mode also its goodput with slow steps measured against ``whole_group_step``."""
     from ray_resilient.goodput import (
         account, expected_goodput, group_attempts, interval_steps_for, load_events, measured_inputs, render_report,
     )
@@ -292,7 +294,8 @@ def analyse(run: str, fit: Fit, foreign: float, job: ChaosJob, args: argparse.Na
     if run == SURVIVORS:  # no restarts: the planner's model does not apply
         pause = finite_median([p.pause for p in survivor_pauses(records, kills)])
         return {**result, "pause": pause, "planner_steps": None, "restart": None, "restart_mean": None,
-                "predicted": None, "predicted_run": None}
+                "predicted": None, "predicted_run": None,
+                "against_whole_group": account(events, reference_step_seconds=whole_group_step).goodput}
     restart_mean = statistics.mean(breakdown.restarts) if breakdown.restarts else 0.0
     return {
         **result, "pause": None, "restart": measured.restart_s or 0.0, "restart_mean": restart_mean,
@@ -327,6 +330,8 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     row("step time, median (s)", "{:.3f}", lambda r: r["measured"].step_s)
     row("steps recomputed", "{}", lambda r: r["breakdown"].steps_recomputed)
     row("measured goodput", "{:.3f}", lambda r: r["breakdown"].goodput)
+    row("  reference step of its best steady stretch (s)", "{:.3f}", lambda r: r["breakdown"].reference_step_seconds)
+    row("  against the resilient run's reference step", "{:.3f}", lambda r: r.get("against_whole_group"))
     row("predicted goodput", "{:.3f}", lambda r: r["predicted"])
     row("  with mean restart and first start", "{:.3f}", lambda r: r["predicted_run"])
     for part in PARTS:
@@ -365,8 +370,10 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, 
           f"resilient median step {res['measured'].step_s:.3f}s vs naive {naive['measured'].step_s:.3f}s "
           f"(background writes share the CPUs); resilient goodput counting its kept steps at the naive's "
           f"step time: {at_naive_step:.3f} ({at_naive_step / naive_goodput:.2f}x naive)")
-    print(f"survivor mode: goodput {survivors['breakdown'].goodput:.3f} ({survivors['breakdown'].goodput / goodput:.2f}x "
-          f"resilient), wall time for the same steps survivors / resilient = {survivors['wall'] / res['wall']:.2f}, "
+    survivor_goodput = survivors["breakdown"].goodput
+    print(f"survivor mode: goodput {survivor_goodput:.3f} ({survivor_goodput / goodput:.2f}x resilient), "
+          f"{survivors['against_whole_group']:.3f} with its steps measured against the resilient run's reference "
+          f"step, wall time for the same steps survivors / resilient = {survivors['wall'] / res['wall']:.2f}, "
           f"median step {survivors['measured'].step_s:.3f}s (gradients exchanged after the backward pass), "
           f"samples trained twice {survivors['twice']}, skipped {survivors['skipped']}")
     print(f"survivor_goodput={survivors['breakdown'].goodput:.3f}")
@@ -421,7 +428,9 @@ def main() -> None:
                                        spare_workers=run != NAIVE, survivors=run == SURVIVORS)
                 foreign[run] = statistics.mean(samples) if samples else math.nan
                 print(f"{run}: fit() took {time.monotonic() - started:.0f}s", flush=True)
-        results = {run: analyse(run, fits[run], foreign[run], jobs[run], args) for run in RUNS}
+        results = {run: analyse(run, fits[run], foreign[run], jobs[run], args) for run in (RESILIENT, NAIVE)}
+        results[SURVIVORS] = analyse(SURVIVORS, fits[SURVIVORS], foreign[SURVIVORS], jobs[SURVIVORS], args,
+                                     whole_group_step=results[RESILIENT]["breakdown"].reference_step_seconds)
         print_results(results, args, schedule, state_mib(job.width))
 
 

@@ -5,8 +5,7 @@ a nested state dict into the keys ``.metadata`` records, and its setter of a val
 (restore, loading without running code); the private classes a ``.metadata`` pickle refers to;
 the parts of DCP's ``FileSystemReader`` a reader on another filesystem replaces, and the file
 name of a written shard (``_StorageInfo``); a DTensor's local shard (staging); the prefix
-``torch.compile`` puts on a model's keys; gloo's group options (survivor mode's groups) and the
-base class of every BatchNorm. Nothing else in the repository imports a private torch module or
+``torch.compile`` puts on a model's keys; gloo's group options (survivor mode's groups). Nothing else in the repository imports a private torch module or
 touches a private torch name (``tests/test_layering.py``).
 
 Each use has a test in ``tests/test_torch_internals.py``, run on the newest and on the lowest
@@ -100,8 +99,3 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timede
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     return dist.ProcessGroupGloo(store, rank, size, options)
-
-
-def is_batch_norm(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a BatchNorm of any kind (1d to 3d, lazy, synchronized)."""
-    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm)

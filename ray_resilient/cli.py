@@ -254,8 +254,8 @@ def _add_goodput_report(commands: argparse._SubParsersAction) -> None:
         "report",
         help="where a run's time went: its goodput breakdown, and a PNG timeline",
         description=(
-            "Print the goodput breakdown of a run from its ledger (productive, wasted, data wait, "
-            "save stall, restore, init restart, other) and draw its timeline as a PNG."
+            "Print the goodput breakdown of a run from its ledger (productive, slow steps, wasted, data wait, "
+            "save stall, restore, hang, init restart, other) and draw its timeline as a PNG."
         ),
     )
     parser.add_argument(
@@ -269,6 +269,11 @@ def _add_goodput_report(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the breakdown and its shares as one JSON object"
     )
+    parser.add_argument(
+        "--reference-step-seconds", type=float, metavar="S",
+        help="measure slow steps against this step time (e.g. another mode's) instead of the run's own best "
+             "steady stretch",
+    )
     parser.set_defaults(run=functools.partial(_goodput_report, parser))
 
 
@@ -281,7 +286,7 @@ def _goodput_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     png = args.png or (None if args.json else f"goodput-{run_name}.png")
     try:
         events = load_events(args.run_dir)
-        breakdown = account(events)
+        breakdown = account(events, reference_step_seconds=args.reference_step_seconds)
         if png is not None:
             draw_timeline(events, breakdown, png, title=run_name)
     except ValueError as error:

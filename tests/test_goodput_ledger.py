@@ -83,6 +83,59 @@ def test_breakdown_of_a_run_with_a_failure_recomputed_steps_and_a_driver_rerun(l
     assert (breakdown.attempts, breakdown.failures, breakdown.steps_kept, breakdown.steps_recomputed) == (3, 2, 5, 2)
 
 
+def write_slowed_run(fs: pafs.FileSystem, run_dir: str, local_dir: str) -> None:
+    """One attempt, 30 steps: 20 of 1 s, then 5 of 2.5 s (a slowed node), the first of them waiting
+    1.5 s for data (1 s of compute: not slow), then 5 of 1 s."""
+    ledger = LedgerWriter(RunStorage(fs, run_dir, local_dir), 0, upload_seconds=0.05)
+    ledger.record("attempt_start", t=0.0, world_size=2)
+    ledger.record("restore", t=1.0, t_start=0.0, step=0)
+    t = 1.0
+    for step in range(1, 31):
+        duration = 2.5 if 21 <= step <= 25 else 1.0
+        ledger.record("step", t=t + duration, t_start=t, step=step, data_wait=1.5 if step == 21 else 0.0)
+        t += duration
+    ledger.record("finish", t=t, step=30)
+    ledger.close()
+
+
+def test_steps_slower_than_the_runs_best_steady_stretch_are_slow_steps_not_productive(tmp_path, capsys, monkeypatch):
+    fs, run_dir = pafs.LocalFileSystem(), str(tmp_path / "runs" / "slowed")
+    write_slowed_run(fs, run_dir, str(tmp_path / "spool"))
+    breakdown = account(read_events(fs, run_dir))
+    assert breakdown.reference_step_seconds == pytest.approx(1.0)  # the first 20 steps' median
+    assert breakdown.slow_steps == pytest.approx(4 * 1.5)  # steps 22-25; step 21 waited for data instead
+    assert breakdown.productive == pytest.approx(30.0) and breakdown.data_wait == pytest.approx(1.5)
+    assert breakdown.total == pytest.approx(1.0 + 20 + 5 * 2.5 + 5)
+    assert breakdown.other == pytest.approx(0.0)  # the parts still add up to the total
+    # Against another mode's step time (0.5 s): every kept step's compute beyond it.
+    against = account(read_events(fs, run_dir), reference_step_seconds=0.5)
+    assert against.slow_steps == pytest.approx(26 * 0.5 + 4 * 2.0) and against.productive == pytest.approx(15.0)
+    monkeypatch.chdir(tmp_path)
+    out, _ = report_cli(capsys, run_dir, "--json", "--reference-step-seconds", "0.5")
+    result = json.loads(out)
+    assert result["slow_steps"] == pytest.approx(21.0) and result["shares"]["slow_steps"] == pytest.approx(21.0 / 38.5)
+    assert result["reference_step_seconds"] == 0.5
+
+
+def test_the_live_figures_count_slow_steps_as_the_ledger_does(tmp_path):
+    import time
+
+    from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
+
+    fs, run_dir = pafs.LocalFileSystem(), str(tmp_path / "runs" / "slowed")
+    write_slowed_run(fs, run_dir, str(tmp_path / "spool"))
+    recorder = GoodputRecorder(RunStorage(fs, run_dir, str(tmp_path / "local")), 0, metrics_logger=None)
+    recorder.restored(time.time(), 30)
+    now = time.time()
+    for step in range(31, 36):  # the run goes on with 5 steps of 3 s
+        recorder.step(step, now + 3 * (step - 31), now + 3 * (step - 30), data_wait=0.0)
+    metrics = recorder.metrics()
+    recorder.close()
+    assert metrics["reference_step_seconds"] == pytest.approx(1.0)
+    assert metrics["slow_steps_seconds"] == pytest.approx(4 * 1.5 + 5 * 2.0)
+    assert metrics["productive_seconds"] == pytest.approx(35.0)
+
+
 def test_an_attempt_killed_before_its_restore_charges_no_kept_step_as_wasted(tmp_path):
     """The real run of issue 14: 4 attempts, one killed before its restore, the others resuming at
     step 20, final step 72. A: fresh, steps 1-25 (checkpoint 20), killed; B: killed while starting;

@@ -68,8 +68,7 @@ SCANNED = ("ray_resilient", "tests", *OUTSIDE)  # the whole repository's code
 RAY_DEVELOPER_APIS = {"get_storage", "has_replica_groups"}  # DeveloperAPIs of Ray Train we use
 RAY_WALL = {PACKAGE / "_ray_internals.py", TESTS / "test_ray_internals.py"}
 # Private torch attributes and names that no module path shows (they hang off objects, or are strings).
-TORCH_PRIVATE_NAMES = {"_local_tensor", "_get_metadata_path", "_Options", "_orig_mod", "_StorageInfo", "_get_layout",
-                       "_BatchNorm"}
+TORCH_PRIVATE_NAMES = {"_local_tensor", "_get_metadata_path", "_Options", "_orig_mod", "_StorageInfo", "_get_layout"}
 TORCH_WALL = {PACKAGE / "_torch_internals.py", TESTS / "test_torch_internals.py"}
 RAY_INTERNAL_TEXT = re.compile(
     r"\bray(?:\.\w+)*\._(?!_)\w*|\bray\.core\.generated|\bget_storage\(|\bhas_replica_groups\b")

@@ -178,8 +178,11 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
                 assert ids == plan.micro_batch(step - 1, int(part), 3)[0].tolist()
     assert {len(rs[0]["members"]) for rs in by_step.values()} == {2, 3}  # degraded, then whole again
 
-    # Deterministic reductions: bitwise the weights of the uninterrupted run, and its losses.
+    # Deterministic reductions: bitwise the whole state of the uninterrupted run (BatchNorm's
+    # running statistics included: one update a step, whoever computed its micro-batches), and its losses.
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
+    whole_state = trainlib.final_weights(record)
+    assert int(whole_state["1.num_batches_tracked"]) == 60 and whole_state["1.running_mean"].abs().min() > 0
     reference_losses = {r["step"]: r["loss"] for r in records_of(uninterrupted.record, kind="step")}
     assert {step: rs[0]["loss"] for step, rs in by_step.items()} == reference_losses
 

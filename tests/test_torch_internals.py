@@ -169,15 +169,3 @@ def test_a_gloo_group_takes_its_timeout_and_device_from_private_options():
     tensor = torch.ones(3)
     group.allreduce([tensor]).wait()
     assert torch.equal(tensor, torch.ones(3)) and group.options._timeout == timeout
-
-
-@pytest.mark.parametrize("norm", [torch.nn.BatchNorm1d(4), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm3d(4),
-                                  torch.nn.LazyBatchNorm2d(), torch.nn.SyncBatchNorm(4)])
-def test_every_batch_norm_is_told_and_says_whether_it_tracks_running_stats(norm):
-    """Survivor mode refuses a model whose BatchNorms track running statistics."""
-    assert _torch_internals.is_batch_norm(norm) and norm.track_running_stats
-
-
-@pytest.mark.parametrize("norm", [torch.nn.GroupNorm(2, 4), torch.nn.LayerNorm(4), torch.nn.InstanceNorm2d(4)])
-def test_other_norms_are_not_batch_norms(norm):
-    assert not _torch_internals.is_batch_norm(norm)

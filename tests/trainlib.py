@@ -389,13 +389,6 @@ def image_train_fn(config: dict[str, Any]) -> None:
                    os.path.join(config["record_dir"], "final_weights.pt"))
 
 
-def build_survivor_model(seed: int) -> torch.nn.Module:
-    """``build_model`` with LayerNorm: survivor mode refuses buffers the forward pass changes."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.LayerNorm(64), torch.nn.ReLU(),
-                               torch.nn.Linear(64, CLASSES))
-
-
 def survivor_fn(config: dict[str, Any]) -> None:
     """Train in survivor mode (the experiment kit's loop, :func:`ray_resilient.testing.train_replica`):
     ``micro_batches`` parts of each global batch of ``SyntheticBatches``, SGD with a scheduler.
@@ -410,7 +403,7 @@ def survivor_fn(config: dict[str, Any]) -> None:
     record = Recorder(config["record_dir"], ray.train.get_context().get_world_rank())
     record(RecordKind.START)
     seed = config["seed"]
-    model = build_survivor_model(seed)
+    model = build_model(seed)  # its BatchNorm's statistics: merged over each step's micro-batches
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
     data = SyntheticBatches(config["samples"], config["global_batch"], seed, 0, 1)

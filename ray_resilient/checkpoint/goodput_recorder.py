@@ -84,7 +84,8 @@ class GoodputRecorder:
         if self._live is not None:
             duration = t_end - t_start
             wait = min(data_wait, duration)
-            self._live.productive += duration - wait
+            self._live.step_time += duration - wait
+            self._live.kept_step_seconds.append(duration - wait)
             self._live.data_wait += wait
             self._live.steps_kept += 1
             self._window.append((t_start, t_end, duration - wait))
@@ -125,6 +126,7 @@ class GoodputRecorder:
         """The run's breakdown until now (rank 0, after the restore), else None."""
         if self._live is None:
             return None
+        self._live.reference_step_seconds  # noqa: B018 - computed once on the live figures, kept by the copy
         live = copy.copy(self._live)
         live.total = time.time() - self._start
         live.other = live.total - sum(getattr(live, part) for part in PARTS if part != "other")

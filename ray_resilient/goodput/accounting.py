@@ -5,7 +5,14 @@ of attempts, restores, steps, checkpoint saves and the driver's starts. The tota
 time from the run's first start (the first driver's ``job_start``, else the first attempt's
 start) to its last event. It is split into parts that add up to it:
 
-- ``productive``: time in training steps whose result was kept, less their data wait.
+- ``productive``: time in training steps whose result was kept, less their data wait, each step
+  counted up to the run's reference step time.
+- ``slow_steps``: what kept steps took beyond the reference step time: a step that is slower than
+  the run's best steady stretch (a slowed node, background work, fewer replicas doing the same
+  work) is not all progress. The reference is the median step of the run's best steady stretch
+  (the lowest median over ``STEADY_STEPS`` consecutive kept steps; over all of them in a shorter
+  run), or one the caller passes (another mode's step time, to compare modes), as Google's
+  goodput library reports step-time deviation.
 - ``wasted``: whole steps computed and then lost to a failure: a step is lost when a later
   attempt restored a checkpoint older than it (so it was recomputed, its number recorded again).
 - ``data_wait``: time kept steps spent waiting for their batch (the loader's ``fetch_seconds``).
@@ -31,13 +38,27 @@ validation pass) counts as part of the next step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from statistics import median
 from typing import Any
 
 from ray_resilient.goodput.events import EventKind
 
-PARTS = ("productive", "wasted", "data_wait", "save_stall", "restore", "hang", "init_restart", "other")
+PARTS = ("productive", "slow_steps", "wasted", "data_wait", "save_stall", "restore", "hang", "init_restart", "other")
+STEADY_STEPS = 20  # the length of the stretch whose median step is the reference
+STEADY_STRIDE = 5  # stretches start every this many kept steps
+
+
+def steady_step_seconds(step_seconds: Sequence[float]) -> float | None:
+    """The median step of the best steady stretch of ``step_seconds`` (kept steps in run order): the
+    lowest median over ``STEADY_STEPS`` consecutive steps, or the median of all in a shorter run."""
+    if not step_seconds:
+        return None
+    if len(step_seconds) <= STEADY_STEPS:
+        return median(step_seconds)
+    starts = range(0, len(step_seconds) - STEADY_STEPS + 1, STEADY_STRIDE)
+    return min(median(step_seconds[start:start + STEADY_STEPS]) for start in starts)
 
 
 @dataclass(frozen=True)
@@ -77,10 +98,14 @@ class Attempt:
 
 @dataclass
 class Breakdown:
-    """Seconds of each part of a run's wall time (they add up to ``total``), and counts."""
+    """Seconds of each part of a run's wall time (they add up to ``total``), and counts.
+
+    ``step_time`` is the kept steps' time less their data wait: ``productive`` plus ``slow_steps``,
+    which are measured against ``reference_step_seconds`` (given, or the run's own: see the module
+    docstring)."""
 
     total: float = 0.0
-    productive: float = 0.0
+    step_time: float = 0.0
     wasted: float = 0.0
     data_wait: float = 0.0
     save_stall: float = 0.0
@@ -96,6 +121,30 @@ class Breakdown:
     save_stalls: list[float] = field(default_factory=list, repr=False)
     durable_latencies: list[float] = field(default_factory=list, repr=False)  # each save's start to durable
     starts: list[float] = field(default_factory=list, repr=False)  # each attempt's init_restart + restore
+    given_reference: float | None = None  # a reference step time passed by the caller
+    _slow: tuple[int, float | None, float] = field(default=(0, None, 0.0), repr=False, compare=False)
+
+    def _slow_steps(self) -> tuple[float | None, float]:
+        """(reference step time, slow steps' seconds), computed once per number of kept steps."""
+        count = len(self.kept_step_seconds)
+        if self._slow[0] != count or count == 0:
+            reference = self.given_reference or steady_step_seconds(self.kept_step_seconds)
+            slow = sum(max(0.0, s - reference) for s in self.kept_step_seconds) if reference else 0.0
+            self._slow = (count, reference, slow)
+        return self._slow[1], self._slow[2]
+
+    @property
+    def reference_step_seconds(self) -> float | None:
+        """The step time kept steps are measured against (None: no kept step, none given)."""
+        return self._slow_steps()[0]
+
+    @property
+    def slow_steps(self) -> float:
+        return self._slow_steps()[1]
+
+    @property
+    def productive(self) -> float:
+        return self.step_time - self.slow_steps
 
     @property
     def restarts(self) -> list[float]:
@@ -119,10 +168,14 @@ class Breakdown:
                 metrics[f"{prefix}badput_{part}"] = share
         for count in ("attempts", "failures", "steps_kept", "steps_recomputed"):
             metrics[f"{prefix}{count}"] = getattr(self, count)
+        if self.reference_step_seconds is not None:
+            metrics[f"{prefix}reference_step_seconds"] = self.reference_step_seconds
         return metrics
 
     def summary(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if not isinstance(v, list)} | {"goodput": self.goodput}
+        fields = {k: v for k, v in asdict(self).items() if not isinstance(v, (list, tuple)) and k != "given_reference"}
+        return fields | {"productive": self.productive, "slow_steps": self.slow_steps,
+                         "reference_step_seconds": self.reference_step_seconds, "goodput": self.goodput}
 
 
 def group_attempts(events: Iterable[Mapping[str, Any]]) -> tuple[list[Attempt], list[float]]:
@@ -145,12 +198,16 @@ def lost_after(attempts: list[Attempt], index: int) -> int | None:
     return min(restores) if restores else None
 
 
-def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Breakdown:
-    """The breakdown of a run's wall time from its events (up to ``now``, default the last event)."""
+def account(events: Iterable[Mapping[str, Any]], now: float | None = None,
+            reference_step_seconds: float | None = None) -> Breakdown:
+    """The breakdown of a run's wall time from its events (up to ``now``, default the last event);
+    slow steps measured against ``reference_step_seconds`` (default: the run's own)."""
+    if reference_step_seconds is not None and not reference_step_seconds > 0:
+        raise ValueError(f"reference_step_seconds must be > 0, got {reference_step_seconds!r}")
     events = list(events)
     attempts, job_starts = group_attempts(events)
     hangs = [(e["t_start"], e["t"]) for e in events if e["kind"] == EventKind.HANG]
-    result = Breakdown()
+    result = Breakdown(given_reference=reference_step_seconds)
     if not attempts:
         return result
     start = min([attempts[0].start, *job_starts])
@@ -179,7 +236,7 @@ def account(events: Iterable[Mapping[str, Any]], now: float | None = None) -> Br
                     result.steps_recomputed += 1
                 else:
                     wait = min(event.get("data_wait", 0.0), duration)
-                    result.productive += duration - wait
+                    result.step_time += duration - wait
                     result.data_wait += wait
                     result.steps_kept += 1
                     result.kept_step_seconds.append(duration - wait)

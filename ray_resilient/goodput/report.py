@@ -11,6 +11,8 @@ from ray_resilient.goodput.ledger import load_events
 from ray_resilient.goodput.planner import SECONDS_PER_DAY, Plan
 
 NOTES = (
+    "slow steps: what kept steps took beyond the reference step (the median step of the run's best steady "
+    "stretch, unless one is given)",
     "wasted: steps lost to a failure and computed again (a later attempt restored an older checkpoint, "
     "or survivors dropped the step a lost replica was in)",
     "hang: from a hung rank's last progress until the hang watchdog declared it hung",
@@ -27,10 +29,11 @@ BARS = (
 )
 
 
-def render_report(run_dir: str, png_path: str | None) -> str:
-    """The text report of the run at ``run_dir``; draws its timeline to ``png_path`` if given."""
+def render_report(run_dir: str, png_path: str | None, reference_step_seconds: float | None = None) -> str:
+    """The text report of the run at ``run_dir`` (slow steps against ``reference_step_seconds``, default
+    the run's own); draws its timeline to ``png_path`` if given."""
     events = load_events(run_dir)
-    breakdown = account(events)
+    breakdown = account(events, reference_step_seconds=reference_step_seconds)
     if png_path is not None:
         draw_timeline(events, breakdown, png_path, title=run_dir.rstrip("/").rsplit("/", 1)[-1])
     return format_report(run_dir, breakdown)
@@ -41,7 +44,8 @@ def format_report(run_dir: str, breakdown: Breakdown) -> str:
     lines = [f"goodput report of {run_dir}"]
     counts = [("attempts", str(breakdown.attempts)), ("failures", str(breakdown.failures)),
               ("steps kept", str(breakdown.steps_kept)), ("steps recomputed", str(breakdown.steps_recomputed)),
-              ("goodput", f"{breakdown.goodput:.1%}")]
+              ("reference step", "-" if breakdown.reference_step_seconds is None
+               else f"{breakdown.reference_step_seconds:.3f} s"), ("goodput", f"{breakdown.goodput:.1%}")]
     width = max(len(label) for label, _ in counts)
     lines += [f"  {label.ljust(width)}  {value}" for label, value in counts]
     shares = breakdown.shares()

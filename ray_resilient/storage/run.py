@@ -19,7 +19,7 @@ class RunStorage:
     Args:
         filesystem: the storage filesystem (Ray's ``StorageContext.storage_filesystem``).
         experiment_path: the run directory on it (``StorageContext.experiment_fs_path``).
-        local_dir: fast local disk for files on their way to remote storage.
+        local_dir: fast local disk for files on their way to or from remote storage.
     """
 
     filesystem: pafs.FileSystem

@@ -4,7 +4,12 @@ Each Ray Train worker is one full replica of the model (DDP-style). A global bat
 fixed number of micro-batches; the live replicas share them out (micro-batch ``k`` to the member
 of rank ``k % members``), and each micro-batch's gradient travels as its own row of one
 all-gather. Every replica then adds the rows in micro-batch order. So the step's gradient is the
-same bits whichever replicas computed it: a run that lost replicas ends with bitwise the weights
+same bits whichever replicas computed it. Buffers the forward pass changes (BatchNorm's running
+statistics) go the same way: each micro-batch's forward starts from the step's buffers, and the
+change it made travels in its row; every replica adds the changes in micro-batch order, divides
+by their count and adds the mean to the step's buffers (integer buffers, BatchNorm's
+``num_batches_tracked``, take micro-batch 0's change). A step updates the running statistics once,
+with the mean of its micro-batches' statistics: a run that lost replicas ends with bitwise the weights
 of an uninterrupted run, and no sample of a kept step is lost or trained twice. The cost: each
 replica receives the others' rows, ``(members - 1) / members x micro_batches`` gradients, where
 DDP's ring all-reduce moves ``2 (members - 1) / members``: the same traffic at ``micro_batches``
@@ -45,7 +50,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from ray_resilient._torch_internals import gloo_group, is_batch_norm
+from ray_resilient._torch_internals import gloo_group
 from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, parse_checkpoint_dir_name
 from ray_resilient.checkpoint.lease import TTL_S
@@ -90,9 +95,8 @@ class SurvivingReplicas:
     its randomness does not depend on which replica runs it.
 
     Args:
-        model, optimizer, lr_scheduler: the replica's (not wrapped in DDP: gradients are
-            reduced here). Models whose buffers change in the forward pass (BatchNorm statistics)
-            are refused: each replica would see other micro-batches.
+        model, optimizer, lr_scheduler: the replica's (not wrapped in DDP: gradients, and the
+            buffers the forward pass changes, are reduced here).
         micro_batches: micro-batches per global batch (the replicas at start, or a multiple).
         seed: the run's seed (RNG streams per micro-batch are derived from it).
         checkpoint_interval, mtbf_s: when the lead saves (a
@@ -123,13 +127,6 @@ class SurvivingReplicas:
                  goodput_log_every: int = 50):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-        stateful = [name for name, module in model.named_modules()
-                    if is_batch_norm(module) and module.track_running_stats]
-        if stateful:
-            raise ValueError(
-                f"survivor mode needs a model whose forward pass changes no buffers, but {stateful[0]!r} is a "
-                "BatchNorm that tracks running statistics: each replica would see other micro-batches. Use "
-                "GroupNorm or LayerNorm, or BatchNorm with track_running_stats=False")
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.micro_batches, self.seed = micro_batches, seed
         self._policy = SavePolicy(checkpoint_interval, mtbf_s=mtbf_s) if checkpoint_interval is not None else None
@@ -141,7 +138,9 @@ class SurvivingReplicas:
         self.last_parts: tuple[int, ...] = ()  # the micro-batches this replica computed in the last step
         self._params = [p for p in model.parameters()]
         self._sizes = [p.numel() for p in self._params]
-        self._row = sum(self._sizes) + 1  # the gradient, then the loss
+        self._buffers = [b for b in model.buffers()]
+        self._buffer_sizes = [b.numel() for b in self._buffers]
+        self._row = sum(self._sizes) + sum(self._buffer_sizes) + 1  # the gradient, the buffers' change, the loss
         self._components = TrainingComponents(model, optimizer, lr_scheduler)
         ctx = ray.train.get_context()
         self.replica = ctx.get_world_rank()
@@ -263,8 +262,9 @@ class SurvivingReplicas:
             return loss
 
     def _gradients(self, loss_of: LossOf) -> torch.Tensor:
-        """This replica's rows, one per micro-batch it computes (its gradient, then its loss; slots
-        ``ceil(micro_batches / members)``, the last one zero where it has fewer); then the step of
+        """This replica's rows, one per micro-batch it computes (its gradient, the change its forward
+        made to the buffers, then its loss; slots ``ceil(micro_batches / members)``, the last one
+        zero where it has fewer), the buffers left as the step found them; then the step of
         the durable checkpoint to register with Ray after this step, plus one (the lead offers its
         oldest one Ray lacks while every replica trains; 0: none); last, whether a replacement
         waits (rank 0 looks)."""
@@ -272,9 +272,12 @@ class SurvivingReplicas:
         slots = -(-self.micro_batches // size)
         mine = torch.zeros(slots * self._row + 2)
         self.last_parts = tuple(range(rank, self.micro_batches, size))
+        with torch.no_grad():
+            start = [buffer.clone() for buffer in self._buffers]
         for slot, k in enumerate(self.last_parts):
             reseed_rng(self.seed, self.step, k)
             self.optimizer.zero_grad(set_to_none=True)
+            self._set_buffers(start)  # every micro-batch's forward starts from the step's buffers
             loss = loss_of(self.step, k)
             loss.backward()
             row = mine[slot * self._row:(slot + 1) * self._row]
@@ -283,15 +286,26 @@ class SurvivingReplicas:
                 if param.grad is not None:
                     row[offset:offset + size_] = param.grad.reshape(-1)
                 offset += size_
+            with torch.no_grad():
+                for buffer, before, size_ in zip(self._buffers, start, self._buffer_sizes):
+                    row[offset:offset + size_] = (buffer - before).reshape(-1)
+                    offset += size_
             row[-1] = loss.detach()
+        self._set_buffers(start)
         if self.is_lead and self._unregistered and self.world_size == self._replicas:
             mine[-2] = 1 + self._unregistered[0][0]
         if rank == 0 and self._store.check([JOINERS_KEY]):
             mine[-1] = 1.0
         return mine
 
+    def _set_buffers(self, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for buffer, value in zip(self._buffers, values):
+                buffer.copy_(value)
+
     def _apply(self, gathered: list[torch.Tensor]) -> float:
-        """Add every replica's rows in micro-batch order (the same bits on every replica), then step."""
+        """Add every replica's rows in micro-batch order (the same bits on every replica), then step
+        and move the buffers by the mean of their change (integer ones by micro-batch 0's)."""
         size = len(gathered)
 
         def row(k: int) -> torch.Tensor:  # micro-batch k: slot k // size of the member of rank k % size
@@ -305,6 +319,11 @@ class SurvivingReplicas:
         for param, size in zip(self._params, self._sizes):
             param.grad = total[offset:offset + size].view_as(param).to(param.device, copy=True)
             offset += size
+        with torch.no_grad():
+            for buffer, size in zip(self._buffers, self._buffer_sizes):
+                change = (total if buffer.is_floating_point() else row(0))[offset:offset + size]
+                buffer.add_(change.view_as(buffer).to(buffer.device, buffer.dtype))
+                offset += size
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
