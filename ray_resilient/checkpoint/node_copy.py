@@ -35,7 +35,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ray_resilient.checkpoint.integrity import (
@@ -43,6 +45,7 @@ from ray_resilient.checkpoint.integrity import (
 )
 from ray_resilient.checkpoint.layout import parse_checkpoint_dir_name
 from ray_resilient.checkpoint.trust import regular_files
+from ray_resilient.storage.local_copy import LocalWriteError, copy_to_local, open_local_copy
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +66,6 @@ class FetchRecord:
     files: list[str] = field(default_factory=list)
     bytes: int = 0
     streamed: list[str] = field(default_factory=list)
-
-
-class _LocalDiskError(OSError):
-    """Writing the node's copy failed: the file is read from remote storage instead."""
 
 
 def node_copy_dir(local_dir: str, name: str) -> str:
@@ -93,6 +92,39 @@ def keep_only(local_dir: str, name: str) -> None:
     for other in os.listdir(root) if os.path.isdir(root) else ():
         if other != name and parse_checkpoint_dir_name(other) is not None:
             shutil.rmtree(os.path.join(root, other), ignore_errors=True)
+
+
+def _ranged_reads(source: pa.NativeFile, size: int, gets: ThreadPoolExecutor) -> Iterator[bytes]:
+    """``source``'s ``size`` bytes in order, read in ranges of ``FETCH_CHUNK_BYTES``, up to
+    ``FETCH_WINDOW`` of them ahead on ``gets``; none is left running when the caller stops early."""
+    offsets = iter(range(0, size, FETCH_CHUNK_BYTES))
+    window: deque[Future[bytes]] = deque()
+
+    def more() -> None:
+        for offset in offsets:
+            window.append(gets.submit(source.read_at, min(FETCH_CHUNK_BYTES, size - offset), offset))
+            if len(window) >= FETCH_WINDOW:
+                return
+
+    try:
+        more()
+        while window:
+            chunk = window.popleft().result()
+            more()
+            yield chunk
+    finally:
+        for pending in window:
+            pending.cancel()
+        for pending in window:
+            if not pending.cancelled():
+                pending.exception()
+
+
+def _hashed(chunks: Iterator[bytes], digest: Any) -> Iterator[bytes]:
+    """``chunks``, each added to ``digest`` as it passes."""
+    for chunk in chunks:
+        digest.update(chunk)
+        yield chunk
 
 
 def drop_node_copies(local_dir: str) -> None:
@@ -165,11 +197,11 @@ class NodeCopy:
                     return path
                 free = shutil.disk_usage(self.directory).free
                 if free - listed < self.min_free_bytes:
-                    raise _LocalDiskError(f"{free} bytes free, {listed} to fetch and min_free_bytes="
+                    raise LocalWriteError(f"{free} bytes free, {listed} to fetch and min_free_bytes="
                                           f"{self.min_free_bytes} to leave")
                 self._fetch(name, path, expected, gets)
                 return path
-        except _LocalDiskError as err:
+        except LocalWriteError as err:
             return self._stream_instead(name, expected, listed, str(err))
         except OSError as err:
             if err.filename is not None and str(err.filename).startswith(self.directory):
@@ -190,28 +222,11 @@ class NodeCopy:
     def _fetch(self, name: str, path: str, expected: dict, gets: ThreadPoolExecutor) -> None:
         """Fetch ``name`` into ``path``, hashed as it arrives; renamed into place only once it matches."""
         size, part = expected["bytes"], f"{path}.part"
-        digest, window = hashlib.sha256(), deque[Future[bytes]]()
-        offsets = iter(range(0, size, FETCH_CHUNK_BYTES))
+        digest = hashlib.sha256()
         try:
-            with self.fs.open_input_file(f"{self.remote_dir}/{name}") as source, self._open_local(part) as out:
-                def more() -> None:
-                    for offset in offsets:
-                        window.append(gets.submit(source.read_at, min(FETCH_CHUNK_BYTES, size - offset), offset))
-                        if len(window) >= FETCH_WINDOW:
-                            return
-                try:
-                    more()
-                    while window:
-                        chunk = window.popleft().result()
-                        more()
-                        digest.update(chunk)
-                        self._write(out, chunk)
-                finally:
-                    for pending in window:  # an error: no read may outlive the file it reads
-                        pending.cancel()
-                    for pending in window:
-                        if not pending.cancelled():
-                            pending.exception()
+            with (self.fs.open_input_file(f"{self.remote_dir}/{name}") as source, open_local_copy(part) as out,
+                  contextlib.closing(_ranged_reads(source, size, gets)) as chunks):  # closed first: no read left
+                copy_to_local(_hashed(chunks, digest), out)
             if expected["sha256"] is not None:
                 check_digest(name, digest.hexdigest(), os.path.getsize(part), expected)
             os.replace(part, path)
@@ -224,28 +239,6 @@ class NodeCopy:
             self.record.files.append(f"{self.name}/{name}")
             self.record.bytes += size
         logger.debug("Fetched %s/%s (%d bytes) into %s", self.remote_dir, name, size, self.directory)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _open_local(path: str) -> Iterator:
-        try:
-            out = open(path, "wb")
-        except OSError as err:
-            raise _LocalDiskError(str(err)) from err
-        try:
-            yield out
-        finally:
-            try:
-                out.close()
-            except OSError as err:
-                raise _LocalDiskError(str(err)) from err
-
-    @staticmethod
-    def _write(out, chunk: bytes) -> None:
-        try:
-            out.write(chunk)
-        except OSError as err:
-            raise _LocalDiskError(str(err)) from err
 
     def _stream_instead(self, name: str, expected: dict, listed: int, why: str) -> None:
         """Verify ``name`` on remote storage (streamed once), for DCP to read it from there."""

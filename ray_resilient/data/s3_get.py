@@ -13,10 +13,7 @@ which the wildcard certificate does not cover); custom endpoints get path style.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterable, Iterator
-from typing import BinaryIO
 from urllib.parse import quote
 
 import urllib3
@@ -25,7 +22,8 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from botocore.session import get_session
 
-_CHUNK = 1 << 20
+from ray_resilient.storage.local_copy import COPY_CHUNK_BYTES, copy_to_local, open_local_copy
+
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})  # timeouts, throttling (503 SlowDown), server errors
 
 
@@ -36,42 +34,6 @@ class S3RequestError(OSError):
         super().__init__(message)
         self.status = status
         self.retryable = status in RETRYABLE_STATUS
-
-
-class LocalWriteError(OSError):
-    """Writing the local copy failed (its ``__cause__`` says why): retrying the read cannot help."""
-
-
-@contextlib.contextmanager
-def open_local_copy(dest: str) -> Iterator[BinaryIO]:
-    """``dest`` opened for writing; an OSError opening or closing (flushing) it becomes a
-    :class:`LocalWriteError`."""
-    try:
-        out = open(dest, "wb")
-    except OSError as err:
-        raise LocalWriteError(str(err)) from err
-    try:
-        yield out
-    finally:
-        try:
-            out.close()
-        except OSError as err:
-            raise LocalWriteError(str(err)) from err
-
-
-def copy_to_local(chunks: Iterable[bytes] | BinaryIO, out: BinaryIO) -> int:
-    """Write ``chunks`` (an iterable of bytes, or a readable stream) to ``out``; returns the bytes
-    written. Read errors propagate as they are; write errors become :class:`LocalWriteError`."""
-    if hasattr(chunks, "read"):
-        stream = chunks
-        chunks = iter(lambda: stream.read(_CHUNK), b"")
-    written = 0
-    for chunk in chunks:
-        try:
-            written += out.write(chunk)
-        except OSError as err:
-            raise LocalWriteError(str(err)) from err
-    return written
 
 
 class SignedGetReader:
@@ -148,6 +110,6 @@ class SignedGetReader:
                 detail = response.read(2000).decode(errors="replace")
                 raise S3RequestError(f"GET {url} answered {response.status}: {detail}", response.status)
             with open_local_copy(dest) as out:
-                return copy_to_local(response.stream(_CHUNK), out)
+                return copy_to_local(response.stream(COPY_CHUNK_BYTES), out)
         finally:
             response.release_conn()
