@@ -14,10 +14,9 @@ a share of the files; on remote storage each file is verified as it is fetched i
 copy, :mod:`~ray_resilient.checkpoint.node_copy`); the train state and ``.metadata``; a check of
 the job's state against ``.metadata``; the small parts (per-rank RNG, data position and buffers,
 scheduler, scaler, extras); the data position (which the data object may refuse); the model and
-optimizer. DCP reads the model and
-optimizer in place; everything else is applied only once every rank has read everything. A
-checkpoint abandoned halfway leaves nothing the job runs with: the next candidate overwrites every
-key, and when none loads the restore raises.
+optimizer. DCP reads the model and optimizer in place; everything else is applied only once every
+rank has read everything. A checkpoint abandoned halfway leaves nothing the job runs with: the next
+candidate overwrites every key, and when none loads the restore raises.
 """
 
 from __future__ import annotations
