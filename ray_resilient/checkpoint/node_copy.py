@@ -164,7 +164,6 @@ class NodeCopy:
                  min_free_bytes: int = MIN_FREE_BYTES, record: FetchRecord | None = None):
         self.fs, self.remote_dir = fs, remote_dir
         self.name = os.path.basename(remote_dir.rstrip("/"))
-        self.local_dir = local_dir
         self.directory = node_copy_dir(local_dir, self.name)
         self.min_free_bytes = min_free_bytes
         self.record = record if record is not None else FetchRecord()
