@@ -5,8 +5,9 @@ a nested state dict into the keys ``.metadata`` records, and its setter of a val
 (restore, loading without running code); the private classes a ``.metadata`` pickle refers to;
 the parts of DCP's ``FileSystemReader`` a reader on another filesystem replaces, and the file
 name of a written shard (``_StorageInfo``); a DTensor's local shard (staging); the prefix
-``torch.compile`` puts on a model's keys; gloo's group options (survivor mode's groups). Nothing else in the repository imports a private torch module or
-touches a private torch name (``tests/test_layering.py``).
+``torch.compile`` puts on a model's keys; gloo's group options (survivor mode's groups). Nothing
+else in the repository imports a private torch module or touches a private torch name
+(``tests/test_layering.py``).
 
 Each use has a test in ``tests/test_torch_internals.py``, run on the newest and on the lowest
 supported torch, that fails when a torch version changes it. None has a fallback: a changed one

@@ -70,6 +70,11 @@ def read_manifest(fs: pafs.FileSystem, path: str, files: dict[str, int]) -> dict
     return manifest
 
 
+def checksums_file(rank: int) -> str:
+    """The name of rank ``rank``'s checksum manifest in a checkpoint directory."""
+    return f"checksums_rank_{rank}.json"
+
+
 def record_checksums(directory: str, rank: int, files: list[str], sync: bool) -> None:
     """Write this rank's checksum file for ``files`` (names in the local ``directory``)."""
     manifest = {}
@@ -77,7 +82,7 @@ def record_checksums(directory: str, rank: int, files: list[str], sync: bool) ->
         with open(os.path.join(directory, name), "rb") as stream:
             digest, size = _sha256(stream)
         manifest[name] = {"sha256": digest, "bytes": size}
-    path = os.path.join(directory, f"checksums_rank_{rank}.json")
+    path = os.path.join(directory, checksums_file(rank))
     with open(f"{path}.tmp", "w") as out:
         json.dump(manifest, out)
         if sync:

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ray_resilient.checkpoint.integrity import (
-    check_digest, check_listed_size, read_manifest, verify_file,
+    check_digest, check_listed_size, checksums_file, read_manifest, verify_file,
 )
 from ray_resilient.checkpoint.layout import parse_checkpoint_dir_name
 from ray_resilient.checkpoint.trust import regular_files
@@ -76,7 +76,7 @@ def node_copy_dir(local_dir: str, name: str) -> str:
 def keep_saved(written_dir: str, local_dir: str, name: str, rank: int) -> None:
     """Make the shards this rank wrote for checkpoint ``name`` (now durable) the node's copy of it:
     moved from ``written_dir`` with the checksums it recorded; the node's other copies are deleted."""
-    with open(os.path.join(written_dir, f"checksums_rank_{rank}.json")) as stream:
+    with open(os.path.join(written_dir, checksums_file(rank))) as stream:
         manifest = json.load(stream)
     directory = node_copy_dir(local_dir, name)
     os.makedirs(directory, exist_ok=True)
@@ -92,6 +92,11 @@ def keep_only(local_dir: str, name: str) -> None:
     for other in os.listdir(root) if os.path.isdir(root) else ():
         if other != name and parse_checkpoint_dir_name(other) is not None:
             shutil.rmtree(os.path.join(root, other), ignore_errors=True)
+
+
+def drop_node_copies(local_dir: str) -> None:
+    """Delete every checkpoint copy of the node (the run ended: no restart will read them)."""
+    shutil.rmtree(os.path.join(local_dir, NODE_COPIES), ignore_errors=True)
 
 
 def _ranged_reads(source: pa.NativeFile, size: int, gets: ThreadPoolExecutor) -> Iterator[bytes]:
@@ -125,11 +130,6 @@ def _hashed(chunks: Iterator[bytes], digest: Any) -> Iterator[bytes]:
     for chunk in chunks:
         digest.update(chunk)
         yield chunk
-
-
-def drop_node_copies(local_dir: str) -> None:
-    """Delete every checkpoint copy of the node (the run ended: no restart will read them)."""
-    shutil.rmtree(os.path.join(local_dir, NODE_COPIES), ignore_errors=True)
 
 
 def _write_digest(path: str, digest: str) -> None:

@@ -35,7 +35,7 @@ from ray_resilient._torch_internals import flatten_like_dcp
 from ray_resilient.checkpoint.collectives import worst_on_any_rank
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.checkpoint.integrity import ChecksumMismatchError, verify_checksums
-from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints
+from ray_resilient.checkpoint.layout import CheckpointDir, checkpoint_dir_name, list_checkpoints
 from ray_resilient.checkpoint.node_copy import keep_only
 from ray_resilient.checkpoint.safe_loading import WeightsOnlyLoadPlanner
 from ray_resilient.checkpoint.state import (
@@ -239,7 +239,7 @@ def load_newest_loadable(
             logger.warning("Restored %s: %s", ckpt.path, warning)
         logger.info("Restored %s (step %d) in %.3fs", ckpt.path, saved.step, time.monotonic() - started)
         if storage.is_remote:  # every rank has read what it needs: the node keeps this copy only
-            keep_only(storage.local_dir, ckpt.path.rstrip("/").rsplit("/", 1)[-1])
+            keep_only(storage.local_dir, checkpoint_dir_name(ckpt.step, ckpt.attempt))
         return ckpt, saved
     if skipped:
         raise NoLoadableCheckpointError(

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from statistics import median
 from typing import Any
+
+import numpy as np
 
 from ray_resilient.goodput.events import EventKind
 
@@ -52,13 +53,14 @@ STEADY_STRIDE = 5  # stretches start every this many kept steps
 
 def steady_step_seconds(step_seconds: Sequence[float]) -> float | None:
     """The median step of the best steady stretch of ``step_seconds`` (kept steps in run order): the
-    lowest median over ``STEADY_STEPS`` consecutive steps, or the median of all in a shorter run."""
+    lowest median over ``STEADY_STEPS`` consecutive steps, or the median of all in a shorter run.
+    In numpy: rank 0 computes it for its live figures, over every step of the run so far."""
     if not step_seconds:
         return None
     if len(step_seconds) <= STEADY_STEPS:
-        return median(step_seconds)
-    starts = range(0, len(step_seconds) - STEADY_STEPS + 1, STEADY_STRIDE)
-    return min(median(step_seconds[start:start + STEADY_STEPS]) for start in starts)
+        return float(np.median(step_seconds))
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(step_seconds), STEADY_STEPS)[::STEADY_STRIDE]
+    return float(np.median(windows, axis=1).min())
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class Breakdown:
         count = len(self.kept_step_seconds)
         if self._slow[0] != count or count == 0:
             reference = self.given_reference or steady_step_seconds(self.kept_step_seconds)
-            slow = sum(max(0.0, s - reference) for s in self.kept_step_seconds) if reference else 0.0
+            slow = float(np.maximum(np.asarray(self.kept_step_seconds) - reference, 0.0).sum()) if reference else 0.0
             self._slow = (count, reference, slow)
         return self._slow[1], self._slow[2]
 
