@@ -320,13 +320,29 @@ def test_the_goodput_ledger_of_a_killed_run_charges_the_recomputed_steps_as_wast
     assert "goodput/badput_wasted" in run.data.metrics
 
 
+def watchdog_hears(ranks: list[int]) -> bool:
+    """Whether a hang watchdog of the cluster hears exactly ``ranks``."""
+    import ray
+
+    watchdogs = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith("ray_resilient_watchdog_")]
+    for actor in watchdogs:
+        try:
+            if ray.get(ray.get_actor(actor["name"], actor["namespace"]).heard.remote(), timeout=10) == ranks:
+                return True
+        except (ValueError, ray.exceptions.RayError):  # not started yet, or gone
+            pass
+    return False
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_stopped_worker_is_declared_hung_within_seconds_and_the_run_ends_bitwise(reference, tmp_path):
-    """Rank 1 of the test job is SIGSTOPped from outside once it trained 8 steps (0.1 s steps). Its
-    heartbeats stop; the hang watchdog declares it hung after the 5 s floor (10 x its p99 step is
-    1 s), kills it, and Ray restarts the worker group at once (its own worker health check would
-    wait 600 s). The run ends bitwise like the uninterrupted one; the ledger, the breakdown and the
-    report show the hang."""
+    """Rank 1 of the test job is SIGSTOPped from outside once it trained 8 steps (0.1 s steps) and
+    the watchdog hears both ranks (the ranks train on while it starts: they hold at step 8 until
+    the test released them, then the stop lands wherever rank 1 is). Its heartbeats stop; the
+    hang watchdog declares it hung after the 5 s floor (10 x its p99 step is 1 s), kills it, and
+    Ray restarts the worker group at once (its own worker health check would wait 600 s). The run
+    ends bitwise like the uninterrupted one; the ledger, the breakdown and the report show the hang."""
     import signal
     import threading
 
@@ -336,11 +352,15 @@ def test_a_stopped_worker_is_declared_hung_within_seconds_and_the_run_ends_bitwi
     record, storage = tmp_path / "rec", tmp_path / "storage"
     record.mkdir()
     outcome: dict[str, Any] = {}
+    heard = tmp_path / "watchdog-hears-both"
+    config = trainlib.job_config(record, step_seconds=0.1, holds=[{"world_size": 2, "at_step": 8, "until": str(heard)}])
     run = threading.Thread(target=lambda: outcome.update(result=trainlib.run_job(
-        trainlib.train_fn, trainlib.job_config(record, step_seconds=0.1), str(storage), "hang", max_failures=1)))
+        trainlib.train_fn, config, str(storage), "hang", max_failures=1)))
     run.start()
     try:
-        wait_until(lambda: _steps_recorded(record, 1) >= 8, timeout=300, what="rank 1 to train 8 steps")
+        wait_until(lambda: _steps_recorded(record, 1) >= 8 and watchdog_hears([0, 1]), timeout=300,
+                   what="rank 1 to train 8 steps and the watchdog to hear both ranks")
+        heard.touch()
         stopped = trainlib.read_attempts(str(record), rank=1)[0]["pid"]
         os.kill(stopped, signal.SIGSTOP)
         stopped_at = time.time()

@@ -1,8 +1,9 @@
 """The hang watchdog: a real watchdog actor, and ranks that are real processes reporting to it.
 
 Each rank process reports steps, then does what its mode says: its training thread gets stuck
-(its heartbeats go on), it is stopped from outside (SIGSTOP: nothing goes on), it runs one long
-step that reports progress inside, or it stages a slow save. Only the first two are hangs.
+(its heartbeats go on), it trains on until it is stopped from outside (SIGSTOP: nothing goes on),
+it runs one long step that reports progress inside, or it stages a slow save. Only the first two
+are hangs.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ RANK = textwrap.dedent("""
     print("trained", flush=True)
     if mode == "stuck":
         stuck_in_the_training_thread()
-    elif mode == "stop":
-        sys.stdin.readline()  # the test stops it; it never reads this line
+    elif mode == "stop":  # trains on until the test stops it
+        while True:
+            time.sleep(0.05)
+            progress.step(0.05)
     elif mode == "long_step":  # 4 s, reporting its phases inside (allowed 1.5 s without progress)
         for part in range(8):
             time.sleep(0.5)
@@ -59,7 +62,7 @@ def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
     host, port = ray.get(watchdog.start.remote())
     node_id = ray.get_runtime_context().get_node_id()
     ranks = {mode: subprocess.Popen([sys.executable, "-c", RANK, host, str(port), str(rank), node_id, mode],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, text=True)
              for rank, mode in enumerate(modes)}
     for process in ranks.values():
         assert process.stdout.readline() == "trained\n"
@@ -68,30 +71,41 @@ def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
 
 def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progressing_one_is_not(ray_cluster,
                                                                                                tmp_path):
-    """Two attempts' watchdogs. In one, a rank's training thread gets stuck while two others run a
-    long step that reports progress and a slow save: nothing is declared while they progress, then
-    only the stuck one, with its stack. In the other, one rank is stopped and another waits for it
-    (stalled too, but still answering, as in a collective): the stopped one is declared, though
-    both stalled."""
+    """Three attempts' watchdogs. In one, a rank's training thread gets stuck while two others run
+    a long step that reports progress and a slow save: nothing is declared while they progress,
+    then only the stuck one, with its stack. In another, one rank is stopped and another waits for
+    it (stalled too, but still answering, as in a collective): the stopped one is declared, though
+    both stalled. In the third, rank 1 was stopped before it reached the watchdog (the watchdog
+    knows it only from the identity rank 0 passed): it is declared and killed, not rank 0, which
+    waits for it."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     storage = RunStorage(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
-    watchdogs = [HangWatchdog.remote(storage), HangWatchdog.remote(storage)]
+    never_reached = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    os.kill(never_reached.pid, signal.SIGSTOP)
+    identity = {"rank": 1, "pid": never_reached.pid, "host": "localhost",
+                "node_id": ray.get_runtime_context().get_node_id()}
+    watchdogs = [HangWatchdog.remote(storage), HangWatchdog.remote(storage), HangWatchdog.remote(storage, [identity])]
     stuck_modes, stopped_modes = ["long_step", "stuck", "slow_save"], ["stuck", "stop"]
-    ranks = [start_ranks(watchdogs[0], stuck_modes), start_ranks(watchdogs[1], stopped_modes)]
+    ranks = [start_ranks(watchdogs[0], stuck_modes), start_ranks(watchdogs[1], stopped_modes),
+             start_ranks(watchdogs[2], ["stuck"])]
     try:
         os.kill(ranks[1]["stop"].pid, signal.SIGSTOP)
         for mode in ("long_step", "slow_save"):
             assert ranks[0][mode].stdout.readline() == "done\n" and ranks[0][mode].wait(timeout=60) == 0, mode
         assert ranks[0]["stuck"].wait(timeout=60) == -signal.SIGKILL
         assert ranks[1]["stop"].wait(timeout=60) == -signal.SIGKILL
-        assert ranks[1]["stuck"].poll() is None  # the one that waited for it is left to its broken collective
+        assert never_reached.wait(timeout=60) == -signal.SIGKILL
+        for waited in (ranks[1]["stuck"], ranks[2]["stuck"]):  # left to its broken collective
+            assert waited.poll() is None
+        assert ray.get(watchdogs[2].heard.remote()) == [0]
     finally:
-        for processes in ranks:
-            for process in processes.values():
-                if process.poll() is None:
-                    process.kill()
-    (stuck,), (stopped,) = (ray.get(watchdog.declared.remote()) for watchdog in watchdogs)
+        for process in [never_reached, *(p for processes in ranks for p in processes.values())]:
+            if process.poll() is None:
+                process.kill()
+    (stuck,), (stopped,), (never,) = (ray.get(watchdog.declared.remote()) for watchdog in watchdogs)
+    assert never["hung_rank"] == 1 and never["pid"] == never_reached.pid
+    assert "never reached the watchdog" in never["error"] and "does not answer" in never["error"]
     assert stuck["hung_rank"] == stuck_modes.index("stuck") and stopped["hung_rank"] == stopped_modes.index("stop")
     # Each after 10 x its p99 step (0.5 s), at least the 1.5 s floor; the stuck one's stack says where it is.
     for hang in (stuck, stopped):
@@ -101,7 +115,7 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
     assert "in stuck_in_the_training_thread" in stuck["error"]
     assert "does not answer" in stopped["error"]
     hangs = [e for e in read_events(pafs.LocalFileSystem(), str(run_dir)) if e["kind"] == "hang"]
-    assert sorted(e["hung_rank"] for e in hangs) == sorted([stuck["hung_rank"], stopped["hung_rank"]])
+    assert sorted(e["hung_rank"] for e in hangs) == sorted([stuck["hung_rank"], stopped["hung_rank"], 1])
     for watchdog in watchdogs:
         ray.kill(watchdog)
 

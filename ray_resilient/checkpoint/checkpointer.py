@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ray_resilient.checkpoint.collectives import broadcast_from_rank0, smallest_on_any_rank
+from ray_resilient.checkpoint.collectives import all_gathered, broadcast_from_rank0, smallest_on_any_rank
 from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
 from ray_resilient.checkpoint.hooks import AttemptHook, DataWaitSource
 from ray_resilient.checkpoint.layout import checkpoint_dir_name
@@ -50,7 +50,6 @@ from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
 logger = logging.getLogger(__name__)
 
 RECENT_SAVES = 100  # SaveResults kept in Checkpointer.recent_saves
-WATCHDOG_START_TIMEOUT_S = 60.0  # how long a rank waits for the hang watchdog to hear it, as its startup allowance ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,29 +204,23 @@ class Checkpointer:
         return self
 
     def _start_watchdog(self, config: HangWatchdogConfig) -> tuple[Any, ProgressReporter]:
-        """Rank 0 starts this attempt's watchdog actor (it owns it); every rank reports to it (its
-        reporter's thread connects while the training thread goes on)."""
+        """Rank 0 starts this attempt's watchdog actor (it owns it) with every rank's identity;
+        every rank reports to it (its reporter's thread connects while the training thread goes on)."""
+        identity = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                    "node_id": ray.get_runtime_context().get_node_id()}
+        identities = all_gathered(self._writer.group, identity)
         watchdog, name = None, None
         if self.rank == 0:
             name = f"ray_resilient_watchdog_{uuid.uuid4().hex}"
-            watchdog = HangWatchdog.options(name=name, runtime_env=helper_runtime_env()).remote(self.storage)
+            watchdog = HangWatchdog.options(name=name, runtime_env=helper_runtime_env()).remote(self.storage,
+                                                                                               identities)
         name = broadcast_from_rank0(self._writer.group, name)
-        identity = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                    "node_id": ray.get_runtime_context().get_node_id()}
         return watchdog, ProgressReporter(config, lambda: watchdog_address(name), identity)
 
     def _note(self, phase: str, startup: bool = False) -> None:
         """Tell the hang watchdog the training thread began ``phase`` (see :class:`ProgressReporter`)."""
         if self._progress is not None:
             self._progress.phase(phase, startup)
-
-    def _await_watchdog(self, steps: int) -> None:
-        """After ``steps`` steps of the attempt: once the startup allowance ends, wait until the
-        watchdog (an actor started with the attempt, a new process) hears this rank, so that
-        the steady allowance is watched from its first step. Until then it comes up while the
-        rank restores and runs its first steps, off the recovery's critical path."""
-        if self._progress is not None and steps == self._progress.config.startup_steps:
-            self._progress.wait_connected(WATCHDOG_START_TIMEOUT_S)
 
     def _note_save(self, phase: str) -> None:
         """Tell the hang watchdog the training thread began staging a save (``phase``)."""
@@ -307,7 +300,6 @@ class Checkpointer:
         return self.train_state
 
     def _restored(self, wall_started: float) -> None:
-        self._await_watchdog(0)
         self._note("training")
         self.policy.restored(self.train_state.step, self.train_state.interval_steps)
         self.goodput.restored(wall_started, self.train_state.step)
@@ -332,7 +324,6 @@ class Checkpointer:
         self.policy.step_finished(ended - self._mark)
         if self._progress is not None:  # the step alone: not an evaluation reported in between
             self._progress.step(ended - max(self._mark, self._last_progress))
-            self._await_watchdog(self._progress.steps)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
         if not self._first_step_done:

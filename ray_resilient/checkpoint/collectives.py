@@ -35,10 +35,15 @@ def broadcast_from_rank0(group: dist.ProcessGroup | None, value: Any) -> Any:
     return box[0]
 
 
+def all_gathered(group: dist.ProcessGroup | None, value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank."""
+    if group is None:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
 def worst_on_any_rank(group: dist.ProcessGroup | None, outcome: tuple[int, str]) -> tuple[int, str]:
     """The ``(severity, message)`` of highest severity over every rank (picklable message)."""
-    if group is None:
-        return outcome
-    outcomes: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, outcome, group=group)
-    return max(outcomes, key=lambda o: o[0])
+    return max(all_gathered(group, outcome), key=lambda o: o[0])

@@ -1,17 +1,20 @@
 """The hang watchdog: an actor outside every rank that declares a rank hung and kills it.
 
 Each rank keeps one TCP connection to it (:class:`~ray_resilient.watchdog.progress.ProgressReporter`).
-Once no rank's progress counter has moved for longer than the allowance each last sent, the
-attempt is hung: a stuck collective, a hung filesystem, a process stopped by its host or a lost
-node (in data-parallel training the others soon stall too, waiting for it in their collectives;
-while one rank still progresses, e.g. rank 0 evaluating while the others wait for it, nothing is
-hung). The watchdog then names one culprit: a rank that went silent (its heartbeats stopped: stopped, or its node lost) before one
-that still answers, and among those the one whose progress stopped first. It asks for the
-culprit's Python stack (a silent process does not answer), logs an error naming the rank, its
-host, its phase and the stack, records a ``hang`` event in the run's goodput ledger (from the
-last progress to now), and SIGKILLs the process through a task on its node; the others' broken
-collectives end the attempt. Ray Train then restarts the worker group as for a crash, seconds
-after the hang instead of after its worker health-check timeout (600 s by default).
+Once no rank's progress counter has moved for longer than the allowance each last sent, the attempt
+is hung: a stuck collective, a hung filesystem, a process stopped by its host or a lost node (in
+data-parallel training the others soon stall too, waiting for it in their collectives; while one
+rank still progresses, e.g. rank 0 evaluating while the others wait for it, nothing is hung). The
+watchdog then names one culprit: a rank that went silent (its heartbeats stopped: stopped, or its
+node lost) before one that still answers, and among those the one whose progress stopped first. It
+knows every rank of the attempt from its creation (rank 0 passes their identities), so the ranks
+train on while its process starts, off the recovery's critical path: a rank that never reached it
+(stopped, or its node lost, meanwhile) counts as silent, without progress, since the watchdog
+started. It asks for the culprit's Python stack (a silent process does not answer), logs an error
+naming the rank, its host, its phase and the stack, records a ``hang`` event in the run's goodput
+ledger (from the last progress to now), and SIGKILLs the process through a task on its node; the
+others' broken collectives end the attempt. Ray Train then restarts the worker group as for a crash,
+seconds after the hang instead of after its worker health-check timeout (600 s by default).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ WATCHDOG_RANK = -2  # the ledger's rank of the watchdog's events
 @dataclass
 class _Rank:
     identity: dict[str, Any]  # rank, pid, node_id, host
-    writer: asyncio.StreamWriter
+    writer: asyncio.StreamWriter | None  # None: never reached the watchdog
     progress: int = -1
     allowance: float = 0.0
     phase: str = "start"
@@ -72,11 +75,14 @@ def _kill(pid: int) -> None:
 
 @ray.remote(num_cpus=0)
 class HangWatchdog:
-    """One attempt's watchdog (see the module docstring); ``storage``: the run's, for the ledger."""
+    """One attempt's watchdog (see the module docstring); ``storage``: the run's, for the ledger;
+    ``ranks``: the identities of the attempt's ranks (rank, pid, host, node_id)."""
 
-    def __init__(self, storage: RunStorage):
+    def __init__(self, storage: RunStorage, ranks: list[dict[str, Any]] = ()):
         self._storage = storage
         self._ranks: dict[int, _Rank] = {}
+        # Ranks not heard yet: silent, allowed nothing, since the watchdog started.
+        self._absent = {r["rank"]: _Rank(r, None, phase="start") for r in ranks}
         self._declared: list[dict[str, Any]] = []
         self._server: asyncio.base_events.Server | None = None
         self._starting = asyncio.Lock()  # every rank calls start(), at once
@@ -90,6 +96,10 @@ class HangWatchdog:
                 self._checker = asyncio.get_running_loop().create_task(self._check())
         return ray.util.get_node_ip_address(), self._server.sockets[0].getsockname()[1]
 
+    def heard(self) -> list[int]:
+        """The ranks connected now."""
+        return sorted(self._ranks)
+
     def declared(self) -> list[dict[str, Any]]:
         """The hangs declared so far."""
         return list(self._declared)
@@ -97,6 +107,7 @@ class HangWatchdog:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         identity = json.loads(await reader.readline())
         rank = _Rank(identity, writer)
+        self._absent.pop(identity["rank"], None)
         self._ranks[identity["rank"]] = rank
         try:
             while line := await reader.readline():
@@ -121,28 +132,33 @@ class HangWatchdog:
         while True:
             await asyncio.sleep(CHECK_EVERY_S)
             now = time.monotonic()
-            if not self._ranks or not all(now - rank.changed > rank.allowance for rank in self._ranks.values()):
+            ranks = [*self._ranks.values(), *self._absent.values()]
+            if not self._ranks or not all(now - rank.changed > rank.allowance for rank in ranks):
                 continue
-            culprit = min(self._ranks.values(), key=lambda r: (now - r.heard <= SILENT_S, r.changed))
+            culprit = min(ranks, key=lambda r: (now - r.heard <= SILENT_S, r.changed))
             others = ", ".join(
                 f"rank {r.identity['rank']} {'silent' if now - r.heard > SILENT_S else 'answering'}, no progress "
-                f"for {now - r.changed:.1f} s" for r in self._ranks.values() if r is not culprit)
+                f"for {now - r.changed:.1f} s" for r in ranks if r is not culprit)
             await self._declare(culprit, now - culprit.changed, others or "no other rank connected")
             return  # its death ends the attempt
 
     async def _declare(self, rank: _Rank, age: float, others: str) -> None:
         who = rank.identity
-        rank.stack = asyncio.get_running_loop().create_future()
-        try:
-            rank.writer.write(b"stack\n")
-            await rank.writer.drain()
-            stack = await asyncio.wait_for(rank.stack, STACK_WAIT_S)
-            doing = f"; its training thread is at:\n{stack}"
-        except (asyncio.TimeoutError, ConnectionError):
+        if rank.writer is None:
+            stalled = f"never reached the watchdog, started {age:.1f} s ago"
+            doing = "; it does not answer (stopped, or its node lost, before it could reach the watchdog)"
+        else:
+            stalled = f"made no progress for {age:.1f} s (allowed {rank.allowance:.1f} s) in {rank.phase!r}"
             doing = "; it does not answer (stopped, or its node is lost)"
-        message = (f"rank {who['rank']} on {who['host']} (pid {who['pid']}) made no progress for {age:.1f} s "
-                   f"(allowed {rank.allowance:.1f} s) in {rank.phase!r}: declared hung, killing it so that Ray "
-                   f"restarts the worker group ({others}){doing}")
+            rank.stack = asyncio.get_running_loop().create_future()
+            try:
+                rank.writer.write(b"stack\n")
+                await rank.writer.drain()
+                doing = f"; its training thread is at:\n{await asyncio.wait_for(rank.stack, STACK_WAIT_S)}"
+            except (asyncio.TimeoutError, ConnectionError):
+                pass
+        message = (f"rank {who['rank']} on {who['host']} (pid {who['pid']}) {stalled}: declared hung, killing it so "
+                   f"that Ray restarts the worker group ({others}){doing}")
         logger.error("%s", message)
         now = time.time()
         record = {"hung_rank": who["rank"], "host": who["host"], "pid": who["pid"], "phase": rank.phase,
@@ -151,7 +167,8 @@ class HangWatchdog:
         ledger = LedgerWriter(self._storage, WATCHDOG_RANK)
         ledger.record(EventKind.HANG, t=now, t_start=now - age, **record)
         ledger.close()
-        rank.writer.close()
+        if rank.writer is not None:
+            rank.writer.close()
         try:
             await _kill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(who["node_id"], soft=False)).remote(
                 who["pid"])

@@ -59,18 +59,9 @@ class ProgressReporter:
         self._training_thread = threading.get_ident()
         self._address, self._identity = address, identity
         self._socket: socket.socket | None = None
-        self._connected = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ray_resilient_progress", daemon=True)
         self._thread.start()
-
-    def wait_connected(self, timeout_s: float) -> bool:
-        """Wait until the watchdog hears this rank (False after ``timeout_s``, or if it never will)."""
-        if not self._connected.wait(timeout_s):
-            logger.warning("The hang watchdog did not answer within %.0f s; this rank's hangs go undetected until "
-                           "it does", timeout_s)
-            return False
-        return True
 
     @property
     def steps(self) -> int:
@@ -122,7 +113,6 @@ class ProgressReporter:
         except Exception:  # noqa: BLE001 - without its watchdog the run trains on, as before it had one
             logger.warning("Could not reach the hang watchdog; this rank's hangs go undetected", exc_info=True)
             return
-        self._connected.set()
         self._beat(self._socket)
 
     def _beat(self, connection: socket.socket) -> None:
