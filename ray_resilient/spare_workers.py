@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 SPARE_WORKERS_ENV = "RAY_RESILIENT_SPARE_WORKERS"  # "1": Checkpointer asks for spares
 PRELOAD_ENV = "RAY_RESILIENT_PRELOAD_MODULES"  # comma-separated modules a spare imports at start
-DEFAULT_PRELOAD_MODULES = ("torch", "ray.train.torch", "ray_resilient")
+# MLflow: where the Checkpointer's goodput and the loader's metrics go by default (seconds to import).
+DEFAULT_PRELOAD_MODULES = ("torch", "ray.train.torch", "ray_resilient", "mlflow")
 KEEP_ALIVE_S = 24 * 3600  # Ray's idle-worker reaper leaves a spare alone this long (then keeps up to num_cpus idle)
 _SETUP_HOOK = f"{__name__}.preload_modules"
 

@@ -10,6 +10,7 @@ The names in ``__all__`` are public, for a train function's own metrics and file
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -137,9 +138,9 @@ class BackgroundMetrics:
     """A metrics logger that never blocks or raises in the caller.
 
     Calls are queued (at most ``max_queued``) and a daemon thread delivers them to the logger that
-    ``make_logger`` builds there (opening a tracking store hangs as long as the store is down). A
-    full queue drops the call (counted in ``dropped``), a failing delivery is counted in
-    ``failed``; each is warned about once.
+    ``make_logger`` builds there as it starts (opening a tracking store hangs as long as the store
+    is down). A full queue drops the call (counted in ``dropped``), a failing delivery is counted
+    in ``failed``; each is warned about once.
     """
 
     def __init__(self, make_logger: Callable[[], MetricsLogger], name: str, max_queued: int = 100):
@@ -165,6 +166,11 @@ class BackgroundMetrics:
             return self._queue.all_tasks_done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
 
     def _deliver(self) -> None:
+        # Opened before the first call: importing MLflow and opening its store take seconds, which
+        # the first or the final figures (flushed at the end of an attempt) would otherwise wait for.
+        # A failure here is retried, and reported, at the first delivery.
+        with contextlib.suppress(Exception):
+            self.logger = self._make_logger()
         while True:
             metrics, step = self._queue.get()
             try:
@@ -186,7 +192,7 @@ def resolve_metrics_logger(setting: MetricsLogger | str | None, *, prefix: str, 
     """The logger a ``metrics_logger`` / ``goodput_logger`` setting names, checked at construction.
 
     ``"mlflow"``: the MLflow run of the current Ray Train run (metrics ``<prefix>...``), through a
-    :class:`BackgroundMetrics` (opened on its delivery thread on first use); a callable
+    :class:`BackgroundMetrics` (opened on its delivery thread as it starts); a callable
     ``(metrics, step)`` as is; None logs nothing. ``enabled=False`` (ranks other than 0) checks
     the setting and returns None.
     """

@@ -58,8 +58,8 @@ class ProgressReporter:
         self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
         self._training_thread = threading.get_ident()
         self._address, self._identity = address, identity
-        self._socket: socket.socket | None = None
         self._closed = threading.Event()
+        self._connected = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ray_resilient_progress", daemon=True)
         self._thread.start()
 
@@ -107,13 +107,22 @@ class ProgressReporter:
 
     def _run(self) -> None:
         try:
-            self._socket = socket.create_connection(self._address())
-            self._socket.sendall((json.dumps(self._identity) + "\n").encode())
-            self._socket.settimeout(HEARTBEAT_S)
+            address = self._address()
+            if self._closed.is_set():  # closed while the watchdog was starting
+                return
+            connection = socket.create_connection(address)
+            self._connected.set()
         except Exception:  # noqa: BLE001 - without its watchdog the run trains on, as before it had one
-            logger.warning("Could not reach the hang watchdog; this rank's hangs go undetected", exc_info=True)
+            if not self._closed.is_set():
+                logger.warning("Could not reach the hang watchdog; this rank's hangs go undetected", exc_info=True)
             return
-        self._beat(self._socket)
+        with connection:
+            try:
+                connection.sendall((json.dumps(self._identity) + "\n").encode())
+                connection.settimeout(HEARTBEAT_S)
+            except OSError:
+                return
+            self._beat(connection)
 
     def _beat(self, connection: socket.socket) -> None:
         buffered = b""
@@ -138,7 +147,8 @@ class ProgressReporter:
         return "".join(traceback.format_stack(frame)) if frame is not None else "(no training thread)"
 
     def close(self) -> None:
+        """Stop reporting: the thread ends within a beat, or once the watchdog it still waits for
+        answers (not waited for: the watchdog ends with the attempt)."""
         self._closed.set()
-        self._thread.join()
-        if self._socket is not None:
-            self._socket.close()
+        if self._connected.is_set():
+            self._thread.join(timeout=2 * HEARTBEAT_S)
