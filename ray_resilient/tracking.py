@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -62,8 +62,7 @@ def open_tracking_client(uri: str | None = None) -> MlflowClient:
 
     MLflow creates a new SQLite store by running its schema migrations in the first process that
     opens it; two processes (or threads) that do so at once can leave the store half-migrated, and
-    unusable, for good. A local SQLite store is therefore opened under an exclusive lock on
-    ``<database>.lock``.
+    unusable, for good. A local SQLite store is therefore opened under :func:`_store_lock`.
     """
     from mlflow.tracking import MlflowClient
 
@@ -72,11 +71,23 @@ def open_tracking_client(uri: str | None = None) -> MlflowClient:
     if database is None:
         return MlflowClient(uri)
     os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
-    with open(f"{database}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _store_lock(database):
         client = MlflowClient(uri)
         client.search_experiments(max_results=1)  # opens the store: creates and migrates it if new
         return client
+
+
+_STORE_OPEN_GUARD = threading.Lock()  # the threads of one process, which a record lock does not tell apart
+
+
+@contextlib.contextmanager
+def _store_lock(database: str) -> Iterator[None]:
+    """An exclusive lock on ``<database>.lock`` against every other thread and process. A POSIX
+    record lock: a process forked while it is held (a data loader's worker) does not inherit it,
+    as it would an ``flock`` (kept until the child exits: every later open in the parent waited)."""
+    with _STORE_OPEN_GUARD, open(f"{database}.lock", "a") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        yield
 
 
 def current_run_name() -> str:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
+import time
 
 import pytest
 
-from ray_resilient.tracking import open_tracking_client
+from ray_resilient.tracking import _store_lock, open_tracking_client
 
 
 def _open_and_log(uri: str, start, results) -> None:
@@ -38,3 +40,19 @@ def test_processes_that_open_a_new_sqlite_store_at_once_all_get_a_working_store(
 
     names = {e.name for e in MlflowClient(uri).search_experiments()}
     assert {f"from-p{i}" for i in range(4)} <= names
+
+
+def test_a_process_forked_while_the_store_is_opened_does_not_keep_it_locked(tmp_path):
+    """A data loader forks its workers while a background metrics thread opens the store. Under an
+    flock the forked worker shared the lock and held it while it lived: a persistent worker, all
+    the run, so the job's next open (adding its model to the MLflow run, at the end) waited for
+    ever (the README test's uninterrupted job, 2026-12-03)."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with _store_lock(str(tmp_path / "mlflow.db")):
+        worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+        worker.start()  # lives on, as a persistent loader worker does
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as opening:
+            opening.submit(open_tracking_client, uri).result(timeout=60)
+    finally:
+        worker.kill()
