@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +79,7 @@ class HangWatchdog:
     """One attempt's watchdog (see the module docstring); ``storage``: the run's, for the ledger;
     ``ranks``: the identities of the attempt's ranks (rank, pid, host, node_id)."""
 
-    def __init__(self, storage: RunStorage, ranks: list[dict[str, Any]] = ()):
+    def __init__(self, storage: RunStorage, ranks: Sequence[dict[str, Any]] = ()):
         self._storage = storage
         self._ranks: dict[int, _Rank] = {}
         # Ranks not heard yet: silent, allowed nothing, since the watchdog started.

@@ -64,11 +64,6 @@ class ProgressReporter:
         self._thread.start()
 
     @property
-    def steps(self) -> int:
-        """Training steps this attempt reported."""
-        return self._steps
-
-    @property
     def allowance(self) -> float:
         """How long this rank may now go without progress before it counts as hung."""
         return self._allowance
