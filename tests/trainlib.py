@@ -279,7 +279,7 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
 # Spare workers preloading what these train functions import. The marker variable gives run_job's
 # workers a runtime environment of their own: a test of the recommended config's spares
 # (test_chaos) checks when its spares were started, so they must never be run_job's leftovers.
-RUN_JOB_WORKER_ENV = {**spare_workers.worker_env(("torch", "ray.train.torch", "ray_resilient", "mlflow", "trainlib")),
+RUN_JOB_WORKER_ENV = {**spare_workers.worker_env((*spare_workers.DEFAULT_PRELOAD_MODULES, "trainlib")),
                       "RAY_RESILIENT_TEST_RUN_JOB": "1"}
 
 
