@@ -17,6 +17,12 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 # The controller polls worker health every 2 s by default; recover faster in tests.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# Ray Train starts a preemption watcher (an actor: a process, 2 CPU seconds) for every worker group
+# it starts, to poll node drains. Only the test of preemption drains a node; it turns the watcher
+# back on for its cluster (PREEMPTION_WATCHER_ON).
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+PREEMPTION_WATCHER_ON = {PREEMPTION_WATCHER: "1"}
+os.environ.setdefault(PREEMPTION_WATCHER, "0")
 # The in-process clusters of these tests have no dashboard (see NO_API_SERVER).
 os.environ.update(NO_API_SERVER)
 sys.path.insert(0, str(TESTS_DIR))
@@ -66,10 +72,11 @@ def s3_server(tmp_path_factory):
 
 @pytest.fixture
 def multi_node_cluster(tmp_path_factory):
-    """A CPU-less head (all training lands on worker nodes) plus one 2-CPU worker node."""
+    """A CPU-less head (all training lands on worker nodes) plus one 2-CPU worker node, with Ray
+    Train's preemption watcher on (the test of preemption's cluster)."""
     from ray_resilient.testing import LocalRayCluster
 
-    with LocalRayCluster(tmp_path_factory.mktemp("ray")) as cluster:
+    with LocalRayCluster(tmp_path_factory.mktemp("ray"), env={**os.environ, **PREEMPTION_WATCHER_ON}) as cluster:
         cluster.add_node(cpus=2)
         yield cluster
 

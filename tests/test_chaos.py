@@ -66,7 +66,8 @@ def killed_at_step_8(ray_cluster, tmp_path_factory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("killed-at-step-8")
     config = recommended_ray_config("killed-at-8", str(root / "storage"), workers=2, max_failures=1, preload=PRELOAD)
-    loop = trainlib.job_config(root / "rec", "kill:step=8:rank=1", step_seconds=0.1, goodput_log_every=5)
+    loop = trainlib.job_config(root / "rec", "kill:step=8:rank=1", step_seconds=0.1, goodput_logger="mlflow",
+                                goodput_log_every=5)
     driver_started = time.time()
     result = config.fit(TorchTrainer(trainlib.train_fn, train_loop_config=loop, **config.trainer_kwargs()))
     return {"record": root / "rec", "run_dir": root / "storage" / "killed-at-8", "result": result,

@@ -177,7 +177,9 @@ def hold(holds: list[dict[str, Any]], world: int, restored_step: int, step: int,
 
 def train_fn(config: dict[str, Any]) -> None:
     """Train with SGD+momentum and a step LR schedule; checkpoint every ``interval`` steps.
-    ``parallelism``: ``"ddp"`` (default) or ``"fsdp"`` (FSDP2); ``holds``: see :func:`hold`.
+    ``parallelism``: ``"ddp"`` (default) or ``"fsdp"`` (FSDP2); ``holds``: see :func:`hold`;
+    ``goodput_logger``: ``"mlflow"`` for a test that reads the live goodput (default: none, so
+    the workers neither import MLflow nor open its store).
 
     Records, per attempt, the sample ids each rank consumed (``record_dir``) and finally the
     model weights (rank 0), so tests can compare runs bitwise.
@@ -193,6 +195,7 @@ def train_fn(config: dict[str, Any]) -> None:
     loss = torch.zeros(())
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
                       mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
+                      goodput_logger=config.get("goodput_logger"),
                       goodput_log_every=config.get("goodput_log_every", 50),
                       lease_ttl_s=config.get("lease_ttl_s", TTL_S)) as ckpt:
         registered = ray.train.get_checkpoint()
@@ -276,11 +279,12 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
                    os.path.join(config["record_dir"], f"snapshot-{config['phase']}-rank{rank}.pt"))
 
 
-# Spare workers preloading what these train functions import. The marker variable gives run_job's
-# workers a runtime environment of their own: a test of the recommended config's spares
-# (test_chaos) checks when its spares were started, so they must never be run_job's leftovers.
-RUN_JOB_WORKER_ENV = {**spare_workers.worker_env((*spare_workers.DEFAULT_PRELOAD_MODULES, "trainlib")),
-                      "RAY_RESILIENT_TEST_RUN_JOB": "1"}
+# Spare workers preloading what these train functions import: the defaults but MLflow (they log
+# no metrics unless a test asks), and this module. The marker variable gives run_job's workers a
+# runtime environment of their own: a test of the recommended config's spares (test_chaos) checks
+# when its spares were started, so they must never be run_job's leftovers.
+RUN_JOB_PRELOAD = (*(name for name in spare_workers.DEFAULT_PRELOAD_MODULES if name != "mlflow"), "trainlib")
+RUN_JOB_WORKER_ENV = {**spare_workers.worker_env(RUN_JOB_PRELOAD), "RAY_RESILIENT_TEST_RUN_JOB": "1"}
 
 
 def run_job(
