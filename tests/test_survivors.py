@@ -78,7 +78,7 @@ def uninterrupted(ray_cluster, tmp_path_factory) -> SurvivorRun:
     root = tmp_path_factory.mktemp("survivors-reference")
     (root / "rec").mkdir()
     config = {**SURVIVOR_JOB, "record_dir": str(root / "rec"), "interval": "auto", "mtbf_s": REFERENCE_MTBF_S,
-              "goodput_log_every": 5}
+              "goodput_logger": "mlflow", "goodput_log_every": 5}
     result = fit_survivors(config, root / "storage", "survivor-reference", num_to_keep=2)
     assert result.error is None
     return SurvivorRun(root / "rec", root / "storage" / "survivor-reference", result)

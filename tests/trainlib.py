@@ -261,7 +261,7 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     counter = Counter()
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                      extras={"counter": counter}, interval_steps=3, seed=config["seed"]) as ckpt:
+                      extras={"counter": counter}, interval_steps=3, seed=config["seed"], goodput_logger=None) as ckpt:
         ckpt.restore()  # saving: finds nothing, starts fresh
         if saving:
             for _ in range(config["steps"]):
@@ -329,7 +329,7 @@ def no_restore_fn(config: dict[str, Any]) -> None:
     """A train function that forgets ``restore()`` and saves at every step."""
     model = prepare_model(build_model(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Checkpointer(model, optimizer, interval_steps=1) as ckpt:
+    with Checkpointer(model, optimizer, interval_steps=1, goodput_logger=None) as ckpt:
         ckpt.step_completed(0)
 
 
@@ -339,7 +339,7 @@ def preemption_fn(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     model = prepare_model(build_model(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Checkpointer(model, optimizer, interval_steps=10**6, preemption_check_steps=5) as ckpt:
+    with Checkpointer(model, optimizer, interval_steps=10**6, preemption_check_steps=5, goodput_logger=None) as ckpt:
         ckpt.restore()
         steps_after = None
         for step in range(config["max_steps"]):
@@ -370,12 +370,12 @@ def image_train_fn(config: dict[str, Any]) -> None:
     dataset = VolumeImageDataset(Volume(config["volume"]), global_batch=config["global_batch"], rank=rank,
                                  world_size=world, seed=config["seed"], transform=default_transform(12),
                                  streaming=StreamingConfig(config["cache_dir"]))
-    loader = VolumeDataLoader(dataset, num_workers=config["workers"])
+    loader = VolumeDataLoader(dataset, num_workers=config["workers"], metrics_logger=None)
     torch.manual_seed(config["seed"])
     model = prepare_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 12 * 12, 3)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with Checkpointer(model, optimizer, data=loader, interval_steps=config["interval"], seed=config["seed"],
-                      faults=config["faults"]) as ckpt:
+                      faults=config["faults"], goodput_logger=None) as ckpt:
         state = ckpt.restore()
         recorder = AttemptRecorder(config["record_dir"], state.step, None)
         while loader.epoch < config["epochs"]:
@@ -401,7 +401,7 @@ def survivor_fn(config: dict[str, Any]) -> None:
     ``joined`` (the step it joined at and the sha of its state then), and every committed step
     (the membership, this process's parts and their sample ids, the loss, the sha). The lead
     writes the final weights. ``wait_at``: ``[{"step": S, "until": FILE}]``: every replica stops
-    after step S until FILE exists (a test acts then).
+    after step S until FILE exists (a test acts then). ``goodput_logger``: as :func:`train_fn`'s.
     """
     torch.use_deterministic_algorithms(True)
     record = Recorder(config["record_dir"], ray.train.get_context().get_world_rank())
@@ -421,6 +421,7 @@ def survivor_fn(config: dict[str, Any]) -> None:
                          step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait,
                          lr_scheduler=scheduler, micro_batches=config["micro_batches"], seed=seed,
                          checkpoint_interval=config.get("interval"), mtbf_s=config.get("mtbf_s"),
+                         goodput_logger=config.get("goodput_logger"),
                          goodput_log_every=config.get("goodput_log_every", 50), faults=config.get("faults", ""),
                          lease_ttl_s=config.get("lease_ttl_s", TTL_S))
     if lead:
