@@ -46,6 +46,9 @@ def test_three_seeded_kills_one_during_an_upload_leave_the_run_bitwise_identical
                               str(tmp_path / "storage"), "chaos", max_failures=3)
     assert result.error is None
     assert len(trainlib.read_attempts(str(record))) == 4  # every kill restarted the run once
+    # The checkpoint whose write was killed was skipped on restore and collected: none is left partial.
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "storage" / "chaos"))
+    assert checkpoints and all(c.complete for c in checkpoints), checkpoints
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
     kept = trainlib.kept_global_batches(str(record))
     assert kept == trainlib.kept_global_batches(str(reference["record"]))
