@@ -101,16 +101,19 @@ def fit_in_driver(config: dict[str, Any]) -> dict[str, str]:
     ray.init(address=config["address"])
     workers = tuple(config["workers"]) if isinstance(config["workers"], list) else config["workers"]  # JSON
     ray_config = recommended_ray_config(config["name"], config["storage"], workers=workers, max_failures=3,
-                                        resize_check_s=2)
+                                        resize_check_s=2, spare_workers=config["spare_workers"], preload=PRELOAD)
     result = TorchTrainer(trainlib.train_fn, train_loop_config=config["loop"], **ray_config.trainer_kwargs()).fit()
     assert result.error is None, result.error
     return {"checkpoint": result.checkpoint.path}
 
 
-def _driver(address: str, env: dict[str, str], storage, name: str, workers, loop: dict, workdir, log: str) -> Driver:
+def _driver(address: str, env: dict[str, str], storage, name: str, workers, loop: dict, workdir, log: str,
+            spare_workers: bool = True) -> Driver:
     """A driver process of the cluster at ``address`` running :func:`fit_in_driver`; its output in
-    ``workdir/<log>.log``."""
-    config = {"address": address, "name": name, "storage": str(storage), "workers": workers, "loop": loop}
+    ``workdir/<log>.log``. ``spare_workers=False`` for a run no restart follows (its spares would
+    only take CPU from the others)."""
+    config = {"address": address, "name": name, "storage": str(storage), "workers": workers, "loop": loop,
+              "spare_workers": spare_workers}
     return Driver.start("test_chaos:fit_in_driver", config, env=env, workdir=workdir, name=log)
 
 
@@ -211,11 +214,11 @@ def test_a_second_driver_is_refused_at_once_and_a_driver_started_again_resumes_t
     hold = {"world_size": 2, "at_step": 6, "until": str(refused)}
     config = trainlib.job_config(record, step_seconds=0.2, holds=[hold],
                                  lease_ttl_s=trainlib.RESTARTED_DRIVER_LEASE_TTL_S)
-    first = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "first")
+    first = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "first", spare_workers=False)
     wait_until(lambda: first.running() and _steps_recorded(record, 0) >= 6, timeout=300,
                what="the first driver's run to train 6 steps")
     second = _driver(ray_cluster, driver_env, storage, "rerun", 2, {**config, "record_dir": str(refused_record)},
-                     tmp_path, "second")
+                     tmp_path, "second", spare_workers=False)
     with pytest.raises(DriverError):
         second.wait(timeout=300)
     assert first.running()
@@ -233,7 +236,7 @@ def test_a_second_driver_is_refused_at_once_and_a_driver_started_again_resumes_t
                what="the dead driver's workers to stop")
     newest = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(storage / "rerun")) if c.complete][-1]
     assert newest.step >= 5
-    again = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "again")
+    again = _driver(ray_cluster, driver_env, storage, "rerun", 2, config, tmp_path, "again", spare_workers=False)
     final = again.wait(timeout=600)["checkpoint"]
     attempts = trainlib.read_attempts(str(record))
     assert [a["restored_step"] for a in attempts] == [0, newest.step]
@@ -265,7 +268,7 @@ def test_exhausted_max_failures_raise_a_clear_error_and_keep_every_committed_che
     from ray.train.torch import TorchTrainer
 
     storage = tmp_path / "storage"
-    config = recommended_ray_config("exhausted", str(storage), workers=2, max_failures=1)
+    config = recommended_ray_config("exhausted", str(storage), workers=2, max_failures=1, preload=PRELOAD)
     trainer = TorchTrainer(trainlib.train_fn, train_loop_config=trainlib.job_config(
         tmp_path / "rec", "kill:step=8;kill:durable=10"), **config.trainer_kwargs())
     with pytest.raises(RunFailedError) as failure:
