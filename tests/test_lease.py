@@ -166,6 +166,65 @@ def test_two_takers_of_a_dead_runs_lease_at_the_same_moment_one_goes_on(run_dir)
         lease.release()
 
 
+def write_lease_of(run_id: str, filesystem: pafs.FileSystem, path: str) -> None:
+    """Another run's lease record, written over whatever is there (as its takeover would)."""
+    with filesystem.open_output_stream(f"{path}/{LEASE_FILE}") as out:
+        out.write(json.dumps({"run_id": run_id, "holder": "host x pid 1", "renewed": time.time(),
+                              "expires": time.time() + 30}).encode())
+
+
+def writing_first(write, calls_before: int = 0):
+    """A lease clock that runs ``write`` at its call number ``calls_before`` (a lease reads its
+    clock just before it writes its record): another writer's write lands between the lease's
+    read and its write, a race no sleep can place."""
+    calls = []
+
+    def clock() -> float:
+        if len(calls) == calls_before:
+            write()
+        calls.append(None)
+        return time.time()
+
+    return clock
+
+
+@pytest.fixture
+def s3_run_dir(s3_server, tmp_path):
+    return s3_server.filesystem(), f"{s3_server.bucket}/{tmp_path.name}/run"
+
+
+def test_on_s3_a_taker_never_replaces_a_lease_written_after_it_last_read(s3_run_dir):
+    """Another taker's lease lands after this taker's last read of the dead lease, just before its
+    own write (the read-back cannot tell who wrote last if the other read back in between). On S3
+    the write replaces only the version read: it fails, this taker stops, the other's lease stands."""
+    filesystem, path = s3_run_dir
+    filesystem.create_dir(path)
+    dead = RunLease(filesystem, path, "run-dead", **FAST)
+    dead.acquire()
+    dead.stop()
+    taker = RunLease(filesystem, path, "run-b", **FAST,
+                     clock=writing_first(lambda: write_lease_of("run-c", filesystem, path)))
+    with pytest.raises(RunLeaseHeldError, match="run-c"):
+        taker.acquire()
+    assert taker.read_record().run_id == "run-c"
+
+
+def test_on_s3_a_renewal_never_replaces_a_lease_taken_over_after_it_read(s3_run_dir):
+    """A takeover lands between a renewal's read and its write: the renewal must not write over it
+    (the taker would go on beside this holder); the holder has lost its lease."""
+    filesystem, path = s3_run_dir
+    filesystem.create_dir(path)
+    taken = []
+    holder = RunLease(filesystem, path, "run-a", **FAST, clock=writing_first(
+        lambda: (write_lease_of("run-b", filesystem, path), taken.append(True)), calls_before=1))  # 0: its acquire
+    holder.acquire()
+    wait_until(lambda: taken and holder.lost is not None, timeout=30, what="the renewal to find the lease taken")
+    with pytest.raises(RunLeaseLostError, match="run-b"):
+        holder.check()
+    holder.release()
+    assert holder.read_record().run_id == "run-b"
+
+
 @pytest.mark.parametrize("holder_ttl_s, taker_ttl_s", [(2.0, 30.0), (3600.0, 2.0)])
 def test_a_taker_watches_a_lease_for_the_ttl_its_holder_declared(run_dir, caplog, holder_ttl_s, taker_ttl_s):
     """A dead holder that declared a short TTL is taken over after it, not after the taker's longer

@@ -14,10 +14,13 @@ a taker watches the lease file on its own monotonic clock, for the TTL its holde
 meanwhile (renewed) belongs to a live run; one left unchanged that long (its driver died) is
 taken over.
 
-Storage offers no compare-and-swap here (S3 through pyarrow), so two runs taking a lease at the
-same moment could both write it. Each taker reads the lease back ``settle_s`` after writing it
-and only the one whose record is there goes on (the other stops before it lists, writes or
-deletes anything); every renewal reads the lease first, and a commit re-reads it
+On S3 every write of the lease is conditional (:mod:`ray_resilient.storage.conditional`): it
+replaces only the version its writer read (or creates the file only if there is none), so of two
+runs that take a dead run's lease at the same moment, or a taker and a renewal, one write fails
+and its run stops. Other storage offers no compare-and-swap here, so there each taker reads the
+lease back ``settle_s`` after writing it and only the one whose record is there goes on (the
+other stops before it lists, writes or deletes anything); S3 takers do that too, for stores that
+ignore the conditions. Every renewal reads the lease first, and a commit re-reads it
 (:meth:`RunLease.verify`): a holder that finds another run's id there, or a lease file that does
 not parse, has lost it (:class:`RunLeaseLostError`) and commits no further checkpoint.
 """
@@ -37,6 +40,7 @@ from dataclasses import asdict, dataclass
 import pyarrow.fs as pafs
 
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
+from ray_resilient.storage.conditional import ChangedSinceRead, conditional_file
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +107,7 @@ class RunLease:
         self.settle_s = settle_s
         self.holder = f"host {socket.gethostname()} pid {os.getpid()}"
         self.lost: str | None = None  # why this holder lost the lease
+        self._conditional = conditional_file(filesystem, self.path)  # None: storage without conditional writes
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,7 +125,8 @@ class RunLease:
         taken over. A taker that finds another run's record on reading its own back also gets
         :class:`RunLeaseHeldError`.
         """
-        found, record = self._read()
+        found, version = self._read_versioned()
+        record = parse_lease(found) if found is not None else None
         if found is None or record is None or record.run_id != self.run_id:
             if found is not None:
                 watch_s = self._ttl_of(record)
@@ -129,13 +135,15 @@ class RunLease:
                 if self._watch(found, watch_s):
                     logger.warning("Taking over the lease of %s: not renewed for %.0fs, its driver is gone",
                                    record.describe() if record else "an unreadable lease file", watch_s)
-            self._write()
+                else:  # removed, or retaken by this run
+                    version = self._read_versioned()[1]
+            self._write_or_held(version)
             self._stop.wait(self.settle_s)  # a taker writing at the same moment: the last write stands
             current = self.read_record()
             if current is None or current.run_id != self.run_id:
                 raise self._held_error(current)
         else:
-            self._write()
+            self._write_or_held(version)
         self._thread = threading.Thread(target=self._renew, name="ray_resilient_lease", daemon=True)
         self._thread.start()
 
@@ -176,9 +184,7 @@ class RunLease:
     def verify(self) -> None:
         """Read the lease and raise :class:`RunLeaseLostError` unless this run holds it (before a commit)."""
         self.check()
-        data, record = self._read()
-        if data is not None and (record is None or record.run_id != self.run_id):
-            self._lose(record, data)
+        if not self._still_ours(self._read_bytes()):
             self.check()
 
     def release(self) -> None:
@@ -197,19 +203,22 @@ class RunLease:
 
     def read_record(self) -> LeaseRecord | None:
         """The lease's record; None when there is none or it does not parse."""
-        return self._read()[1]
-
-    def _read(self) -> tuple[bytes | None, LeaseRecord | None]:
-        """The lease file's bytes and the record in them (None, None when there is no lease file)."""
         data = self._read_bytes()
-        return data, parse_lease(data) if data is not None else None
+        return parse_lease(data) if data is not None else None
 
     def _read_bytes(self) -> bytes | None:
+        return self._read_versioned()[0]
+
+    def _read_versioned(self) -> tuple[bytes | None, str | None]:
+        """The lease file's bytes and their version (None without conditional writes); (None, None)
+        when there is no lease file."""
+        if self._conditional is not None:
+            return self._conditional.read() or (None, None)
         try:
             with self.filesystem.open_input_stream(self.path) as stream:
-                return stream.read()
+                return stream.read(), None
         except FileNotFoundError:
-            return None
+            return None, None
 
     def _lose(self, record: LeaseRecord | None, data: bytes) -> None:
         if record is not None:
@@ -219,11 +228,25 @@ class RunLease:
             self.lost = f"the lease file {self.path} no longer parses ({data[:80]!r}): something else wrote it"
         logger.error("Lost the run directory's lease: %s", self.lost)
 
-    def _write(self) -> None:
+    def _write_or_held(self, version: str | None) -> None:
+        """Take the lease from ``version`` (None: no lease file); :class:`RunLeaseHeldError` when
+        another run changed it since it was read (a process of this run leaves it this run's)."""
+        try:
+            self._write(version)
+        except ChangedSinceRead:
+            record = self.read_record()
+            if record is None or record.run_id != self.run_id:
+                raise self._held_error(record) from None
+
+    def _write(self, version: str | None) -> None:
+        """Write this run's record over ``version`` of the lease file (None: where there is none);
+        with conditional writes, :class:`ChangedSinceRead` when that is not what is there."""
         now = self._clock()
         record = LeaseRecord(self.run_id, self.holder, now, now + self.ttl_s)
         data = json.dumps(asdict(record)).encode()
-        if isinstance(self.filesystem, pafs.LocalFileSystem):  # readers never see half a file
+        if self._conditional is not None:
+            self._conditional.write(data, version)
+        elif isinstance(self.filesystem, pafs.LocalFileSystem):  # readers never see half a file
             temporary = f"{self.path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
             with self.filesystem.open_output_stream(temporary) as out:
                 out.write(data)
@@ -235,10 +258,26 @@ class RunLease:
     def _renew(self) -> None:
         while not self._stop.wait(self.renew_every_s):
             try:
-                data, record = self._read()
-                if data is not None and (record is None or record.run_id != self.run_id):
-                    self._lose(record, data)
+                if not self._renew_once():
                     return
-                self._write()  # (a lease found missing, e.g. mid-replace by a replica of this run, is rewritten)
             except OSError as err:  # storage hiccup: the next renewal retries, well before the expiry
                 logger.warning("Renewing the run's lease %s failed (%s); retrying", self.path, err)
+
+    def _renew_once(self) -> bool:
+        """Renew the lease unless another run took it; False when it did (the lease is lost)."""
+        data, version = self._read_versioned()
+        if not self._still_ours(data):
+            return False
+        try:
+            self._write(version)  # (a lease found missing, e.g. mid-replace by a replica of this run, is rewritten)
+        except ChangedSinceRead:  # written between the read and the write: by whom, a read says
+            return self._still_ours(self._read_bytes())
+        return True
+
+    def _still_ours(self, data: bytes | None) -> bool:
+        """Whether the lease file's ``data`` leave the lease to this run (no file does); if not, it is lost."""
+        record = parse_lease(data) if data is not None else None
+        if data is not None and (record is None or record.run_id != self.run_id):
+            self._lose(record, data)
+            return False
+        return True

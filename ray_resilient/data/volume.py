@@ -12,8 +12,9 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 import urllib3
 
-from ray_resilient.data.s3_get import S3RequestError, SignedGetReader
+from ray_resilient.data.s3_get import SignedGetReader
 from ray_resilient.storage.local_copy import LocalWriteError, copy_to_local, open_local_copy
+from ray_resilient.storage.s3_requests import S3RequestError
 from ray_resilient.storage.uri import open_filesystem, s3_settings
 
 logger = logging.getLogger(__name__)
