@@ -33,11 +33,9 @@ class ConditionalFile:
         self._check(response, "GET")
         return response.data, response.headers["ETag"]
 
-    def write(self, data: bytes, version: str | None) -> str:
-        """Write ``data`` if the file is still ``version`` (None: if there is none); its new version.
-
-        Raises :class:`ChangedSinceRead` when it is not.
-        """
+    def write(self, data: bytes, version: str | None) -> None:
+        """Write ``data`` if the file is still ``version`` (None: if there is none); else raise
+        :class:`ChangedSinceRead`."""
         condition = {"If-None-Match": "*"} if version is None else {"If-Match": version}
         response = self._send("PUT", headers=condition, body=data)
         # 412: another version is there. 409: a write to the key raced this one (S3 answers either).
@@ -45,7 +43,6 @@ class ConditionalFile:
         if response.status in (412, 409) or response.status == 404 and version is not None:
             raise ChangedSinceRead(f"{self.path} changed since it was read (PUT answered {response.status})")
         self._check(response, "PUT")
-        return response.headers["ETag"]
 
     def _send(self, method: str, **request) -> urllib3.BaseHTTPResponse:
         try:
