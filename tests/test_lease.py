@@ -188,9 +188,18 @@ def writing_first(write, calls_before: int = 0):
     return clock
 
 
-@pytest.fixture
-def s3_run_dir(s3_server, tmp_path):
-    return s3_server.filesystem(), f"{s3_server.bucket}/{tmp_path.name}/run"
+@pytest.fixture(params=["options", "uri"])
+def s3_run_dir(request, s3_server, tmp_path, monkeypatch):
+    """(filesystem, run directory) on the S3 server: a filesystem made with its options, or, as Ray
+    Train makes one from an ``s3://`` storage path, from the URI with the endpoint and keys in the
+    environment."""
+    if request.param == "options":
+        return s3_server.filesystem(), f"{s3_server.bucket}/{tmp_path.name}/run"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{s3_server.endpoint}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    filesystem, path = pafs.FileSystem.from_uri(f"s3://{s3_server.bucket}/{tmp_path.name}/run")
+    return filesystem, path
 
 
 def test_on_s3_a_taker_never_replaces_a_lease_written_after_it_last_read(s3_run_dir):

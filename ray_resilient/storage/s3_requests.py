@@ -117,5 +117,5 @@ def s3_requests_for(filesystem: pafs.FileSystem) -> S3Requests | None:
     endpoint = settings.get("endpoint_override") or None
     if endpoint and "://" not in endpoint:
         endpoint = f"{settings.get('scheme') or 'https'}://{endpoint}"
-    return S3Requests(endpoint, settings.get("region") or "us-east-1", settings.get("access_key") or None,
+    return S3Requests(endpoint, filesystem.region or "us-east-1", settings.get("access_key") or None,
                       settings.get("secret_key") or None, settings.get("session_token") or None, max_connections=2)
