@@ -5,8 +5,9 @@ Setup
     a local run directory and MLflow store, in a scratch directory): ResNet-18 on the embedded
     dataset (``--per-class`` images of each of 4 classes, 32x32), 2 workers (``--min-workers`` and
     ``--max-workers`` 2), DDP, a checkpoint every ``--interval`` steps, the hang watchdog at its
-    defaults (``HangWatchdogConfig``: a rank is hung after ``max(5 s, 10 x`` its p99 step time``)``
-    without progress). Two runs of the same length, one after the other:
+    defaults (``HangWatchdogConfig``: a rank is hung after ``max(5 s, 10 x`` the p99 of its recent
+    steps' longest stretch without progress``)`` with none). Two runs of the same length,
+    one after the other:
 
     stopped   rank 1 stops itself with SIGSTOP right after a seeded step (``stop:step=N:rank=1``,
               N drawn from ``--seed`` in the middle half of the run): a hang without dying, its

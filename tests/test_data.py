@@ -35,6 +35,7 @@ from ray_resilient.data import (
     VolumeImageDataset,
     default_transform,
 )
+from ray_resilient.checkpoint.hooks import DataProgressSource
 from ray_resilient.data.cache import entry_name
 from ray_resilient.data.dataset import read_bytes
 from ray_resilient.data.prefetch import Prefetcher
@@ -112,10 +113,13 @@ def test_local_and_s3_volumes_give_identical_samples(image_dir, s3_server, tmp_p
     remote = Volume(f"s3://{prefix}", endpoint=f"http://{s3_server.endpoint}")
     local = Volume(image_dir)
     assert remote.listing() == local.listing()
-    from_s3 = global_batches([make_loader(remote, tmp_path / "cache-s3")])
-    from_disk = global_batches([make_loader(local, tmp_path / "cache-local")])
+    s3_loader, disk_loader = make_loader(remote, tmp_path / "cache-s3"), make_loader(local, tmp_path / "cache-local")
+    from_s3, from_disk = global_batches([s3_loader]), global_batches([disk_loader])
     assert [ids for ids, _ in from_s3] == [ids for ids, _ in from_disk]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(from_s3, from_disk))
+    # What the hang watchdog sees of the worker processes (spawned for S3, forked here) while it waits.
+    assert isinstance(s3_loader, DataProgressSource)  # the checkpointer's watchdog polls it
+    assert s3_loader.samples_read == disk_loader.samples_read == sum(len(ids) for ids, _ in from_s3)
 
 
 class TcpForwarder:

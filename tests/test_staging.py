@@ -62,11 +62,13 @@ def test_the_stager_copies_into_the_same_buffers_every_time_and_snapshots_the_st
     assert all(torch.equal(first[p], expected[p]) for p in first)
     # torch 2.11's DefaultStager failed from the second stage() on, and never reused a buffer.
     for step in (2, 3):
-        staged = tensors(stager.stage(components.state_to_save(TrainState(step=step), 0)))
+        copied = []  # the hang watchdog's progress: a call after each tensor's copy
+        staged = tensors(stager.stage(components.state_to_save(TrainState(step=step), 0), lambda: copied.append(1)))
         assert {p: t.data_ptr() for p, t in staged.items() if p in pointers} == {
             p: pointers[p] for p in staged if p in pointers}
         live = tensors(components.state_to_save(TrainState(step=step), 0))
         assert all(torch.equal(staged[p], live[p]) for p in live)
+        assert len(copied) == len(live)
 
 
 def test_a_changed_tensor_gets_a_new_buffer_and_a_vanished_one_is_released():

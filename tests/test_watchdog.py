@@ -2,60 +2,111 @@
 
 Each rank process reports steps, then does what its mode says: its training thread gets stuck
 (its heartbeats go on), it trains on until it is stopped from outside (SIGSTOP: nothing goes on),
-it runs one long step that reports progress inside, or it stages a slow save. Only the first two
-are hangs.
+it gets stuck inside a long step after long steps that ticked, it runs a long evaluation that
+reports its phases, a long step that ticks, a long wait for data that other processes read, or it
+stages a slow save. Only the first three are hangs.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 
+import psutil
 import pyarrow.fs as pafs
+import pytest
 import ray
+import torch
+import torch.distributed as dist
+import torchvision
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from ray_resilient.goodput import read_events
 from ray_resilient.storage import RunStorage
+from ray_resilient.testing import wait_until
 from ray_resilient.watchdog.monitor import HangWatchdog
 from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
+from ray_resilient.watchdog.step_hooks import TICKING_MODULES, tick_inside_steps
 
 RANK = textwrap.dedent("""
-    import json, sys, time
+    import json, os, subprocess, sys, threading, time
     from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
     host, port, rank, node_id, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    config = HangWatchdogConfig(floor_s=1.5, step_multiple=10, startup_allowance_s=6.0, startup_steps=2)
-    identity = {"rank": rank, "pid": __import__("os").getpid(), "host": "localhost", "node_id": node_id}
-    progress = ProgressReporter(config, lambda: (host, port), identity)
+    config = HangWatchdogConfig(floor_s=2.5, gap_multiple=10, startup_allowance_s=6.0, startup_steps=2)
+    identity = {"rank": rank, "pid": os.getpid(), "host": "localhost", "node_id": node_id}
+    samples_read = [0]  # what a data loader's worker processes read
+    progress = ProgressReporter(config, lambda: (host, port), identity, [lambda: samples_read[0]])
 
     def stuck_in_the_training_thread():
         time.sleep(120)  # a collective that never returns
 
+    def ticking_step(seconds):  # its layers' forward and backward passes
+        for _ in range(int(seconds / 0.05)):
+            time.sleep(0.05)
+            progress.tick()
+        progress.step()
+
     for step in range(5):
         time.sleep(0.05)
-        progress.step(0.05)
+        progress.step()
     print("trained", flush=True)
     if mode == "stuck":
         stuck_in_the_training_thread()
-    elif mode == "stop":  # trains on until the test stops it
+    elif mode == "stop":  # waited 0.6 s in 3 steps (allowed 6 s), then trains on until the test stops it
+        os.setsid()  # its own process group, as a Ray worker leads one, with a DataLoader worker in it
+        loader_worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print(loader_worker.pid, flush=True)
+        for step in range(3):
+            time.sleep(0.6)  # in a collective, waiting for another rank's evaluation
+            progress.step()
+        print("waited", flush=True)
         while True:
             time.sleep(0.05)
-            progress.step(0.05)
-    elif mode == "long_step":  # 4 s, reporting its phases inside (allowed 1.5 s without progress)
+            progress.step()
+    elif mode == "stuck_in_a_long_step":  # steps of 1 s (10 x that: 10 s), 0.05 s without progress at most
+        for step in range(3):
+            ticking_step(1.0)
+        for _ in range(4):
+            time.sleep(0.05)
+            progress.tick()
+        stuck_in_the_training_thread()
+    elif mode == "long_step":  # 4 s, reporting its phases inside (allowed 2.5 s without progress)
         for part in range(8):
             time.sleep(0.5)
             progress.phase(f"evaluation part {part}")
+    elif mode == "ticking_step":  # 4 s, its layers ticking
+        ticking_step(4.0)
+    elif mode == "data_wait":  # 4 s blocked in next(loader) while its worker processes read samples
+        def workers():
+            for _ in range(40):
+                time.sleep(0.1)
+                samples_read[0] += 1
+        reading = threading.Thread(target=workers)
+        reading.start()
+        reading.join()
+        progress.step()
     elif mode == "slow_save":  # staging its first save for 4 s: that is allowed the startup allowance
         progress.saving("save", None)
         time.sleep(4)
     for step in range(5):
         time.sleep(0.05)
-        progress.step(0.05)
+        progress.step()
     progress.close()
     print("done", flush=True)
 """)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
@@ -71,13 +122,16 @@ def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
 
 def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progressing_one_is_not(ray_cluster,
                                                                                                tmp_path):
-    """Three attempts' watchdogs. In one, a rank's training thread gets stuck while two others run
-    a long step that reports progress and a slow save: nothing is declared while they progress,
-    then only the stuck one, with its stack. In another, one rank is stopped and another waits for
-    it (stalled too, but still answering, as in a collective): the stopped one is declared, though
-    both stalled. In the third, rank 1 was stopped before it reached the watchdog (the watchdog
-    knows it only from the identity rank 0 passed): it is declared and killed, not rank 0, which
-    waits for it."""
+    """Four attempts' watchdogs. In one, a rank's training thread gets stuck while four others run
+    a long evaluation that reports its phases, a long step that ticks, a long wait for data read
+    by other processes and a slow save: nothing is declared while they progress, then only the
+    stuck one, with its stack. In another, one rank is stopped and another waits for it (stalled
+    too, but still answering, as in a collective): the stopped one is declared, though both
+    stalled, after the smaller of their allowances (the stopped one's is larger: it waited for the
+    other's evaluations), and killed with its DataLoader worker (its process group). In the third, rank 1 was stopped before it reached the watchdog (the watchdog knows
+    it only from the identity rank 0 passed): it is declared and killed, not rank 0, which waits
+    for it. In the fourth, a rank whose steps take 1 s but tick every 0.05 s gets stuck inside a
+    step: declared after the floor, not after 10 x its step time."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     storage = RunStorage(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
@@ -85,16 +139,23 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
     os.kill(never_reached.pid, signal.SIGSTOP)
     identity = {"rank": 1, "pid": never_reached.pid, "host": "localhost",
                 "node_id": ray.get_runtime_context().get_node_id()}
-    watchdogs = [HangWatchdog.remote(storage), HangWatchdog.remote(storage), HangWatchdog.remote(storage, [identity])]
-    stuck_modes, stopped_modes = ["long_step", "stuck", "slow_save"], ["stuck", "stop"]
+    watchdogs = [HangWatchdog.remote(storage), HangWatchdog.remote(storage), HangWatchdog.remote(storage, [identity]),
+                 HangWatchdog.remote(storage)]
+    progressing = ["long_step", "ticking_step", "data_wait", "slow_save"]
+    stuck_modes, stopped_modes = ["long_step", "stuck", "ticking_step", "data_wait", "slow_save"], ["stuck", "stop"]
     ranks = [start_ranks(watchdogs[0], stuck_modes), start_ranks(watchdogs[1], stopped_modes),
-             start_ranks(watchdogs[2], ["stuck"])]
+             start_ranks(watchdogs[2], ["stuck"]), start_ranks(watchdogs[3], ["stuck_in_a_long_step"])]
     try:
+        loader_worker = int(ranks[1]["stop"].stdout.readline())
+        assert ranks[1]["stop"].stdout.readline() == "waited\n"
         os.kill(ranks[1]["stop"].pid, signal.SIGSTOP)
-        for mode in ("long_step", "slow_save"):
+        for mode in progressing:
             assert ranks[0][mode].stdout.readline() == "done\n" and ranks[0][mode].wait(timeout=60) == 0, mode
         assert ranks[0]["stuck"].wait(timeout=60) == -signal.SIGKILL
         assert ranks[1]["stop"].wait(timeout=60) == -signal.SIGKILL
+        # Its DataLoader worker too, which holds copies of its sockets: the others would not see it gone.
+        wait_until(lambda: gone(loader_worker), timeout=5, what="the stopped rank's DataLoader worker to be killed")
+        assert ranks[3]["stuck_in_a_long_step"].wait(timeout=60) == -signal.SIGKILL
         assert never_reached.wait(timeout=60) == -signal.SIGKILL
         for waited in (ranks[1]["stuck"], ranks[2]["stuck"]):  # left to its broken collective
             assert waited.poll() is None
@@ -103,46 +164,107 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
         for process in [never_reached, *(p for processes in ranks for p in processes.values())]:
             if process.poll() is None:
                 process.kill()
-    (stuck,), (stopped,), (never,) = (ray.get(watchdog.declared.remote()) for watchdog in watchdogs)
+    (stuck,), (stopped,), (never,), (in_long_step,) = (ray.get(watchdog.declared.remote()) for watchdog in watchdogs)
     assert never["hung_rank"] == 1 and never["pid"] == never_reached.pid
     assert "never reached the watchdog" in never["error"] and "does not answer" in never["error"]
     assert stuck["hung_rank"] == stuck_modes.index("stuck") and stopped["hung_rank"] == stopped_modes.index("stop")
-    # Each after 10 x its p99 step (0.5 s), at least the 1.5 s floor; the stuck one's stack says where it is.
-    for hang in (stuck, stopped):
-        assert 1.5 <= hang["t"] - hang["t_start"] < 10, hang
+    # Each after the 2.5 s floor (10 x the p99 stretch without progress, 0.05 s, is less; the stuck
+    # one once the others stopped progressing): the one in long steps too (10 x its 1 s steps would
+    # be 10 s), the stopped one too (its own allowance is 6 s, the other's 2.5 s); the stuck one's
+    # stack says where it is. (The floor is above the 1.5 s of silence that tells a stopped rank from
+    # a waiting one, as a real job's 5 s is.)
+    for hang in (stuck, stopped, in_long_step):
+        assert 2.5 <= hang["t"] - hang["t_start"] < (10 if hang is stuck else 5), hang
         assert f"pid {hang['pid']}" in hang["error"]
+    assert in_long_step["phase"] == "step 8 of this attempt"
     assert stuck["phase"] == "step 5 of this attempt"  # (the stopped one may have been stopped before it said so)
     assert "in stuck_in_the_training_thread" in stuck["error"]
     assert "does not answer" in stopped["error"]
     hangs = [e for e in read_events(pafs.LocalFileSystem(), str(run_dir)) if e["kind"] == "hang"]
-    assert sorted(e["hung_rank"] for e in hangs) == sorted([stuck["hung_rank"], stopped["hung_rank"], 1])
+    assert sorted(e["hung_rank"] for e in hangs) == sorted([stuck["hung_rank"], stopped["hung_rank"], 1, 0])
     for watchdog in watchdogs:
         ray.kill(watchdog)
 
 
-def test_warm_up_steps_do_not_raise_the_allowance_and_a_later_save_gets_a_multiple_of_the_one_before():
-    """The first steps of an attempt (compilation, warm-up) are left out of the p99 that sets the
-    allowance. A first save allocates its staging buffers (the startup allowance); a hang in a
-    later save's staging is declared as soon as in a step, unless the save before took long."""
+def test_the_allowance_is_a_multiple_of_the_longest_stretch_without_progress_of_steady_steps():
+    """The allowance follows the p99 of recent steps' longest stretch without progress, not their
+    length: long steps that tick keep it at the floor. The first steps of an attempt (compilation,
+    warm-up) are left out, and so are the stretches of a phase between steps (a save's staging).
+    A first save allocates its staging buffers (the startup allowance); a hang in a later save's
+    staging is declared as soon as in a step, unless the save before took long."""
     def no_watchdog() -> tuple[str, int]:
         raise ConnectionRefusedError("no watchdog here")
 
-    config = HangWatchdogConfig(floor_s=1.5, step_multiple=10, startup_allowance_s=600.0, startup_steps=2)
-    progress = ProgressReporter(config, no_watchdog, {"rank": 0})
-    progress.step(4.0)
-    progress.step(4.0)
+    now = [0.0]
+
+    def step(seconds: float, ticks: int = 0) -> None:
+        for _ in range(ticks):
+            now[0] += seconds / (ticks + 1)
+            progress.tick()
+        now[0] += seconds / (ticks + 1)
+        progress.step()
+
+    config = HangWatchdogConfig(floor_s=1.5, gap_multiple=10, startup_allowance_s=600.0, startup_steps=2)
+    progress = ProgressReporter(config, no_watchdog, {"rank": 0}, clock=lambda: now[0])
+    step(4.0)
+    step(4.0)
     assert progress.allowance == 600.0  # still warming up
     for _ in range(5):
-        progress.step(0.05)
+        step(0.05)
     steady = progress.allowance
-    assert steady == 1.5  # the floor: 10 x the p99 step (0.05 s, the warm-up's 4 s left out) is less
+    assert steady == 1.5  # the floor: 10 x the p99 stretch (0.05 s, the warm-up's 4 s left out) is less
+    for _ in range(5):
+        step(3.0, ticks=59)  # 3 s steps, 0.05 s without progress at most
+    assert progress.allowance == steady
+    step(0.3)
+    assert progress.allowance == pytest.approx(3.0)  # a step of 0.3 s without progress: 10 x that
     progress.saving("save", None)
     assert progress.allowance == 600.0
     progress.saving("save", 0.01)
-    assert progress.allowance == steady
+    assert progress.allowance == pytest.approx(3.0)
     progress.saving("save", 2.0)
     assert progress.allowance == 20.0
+    now[0] += 2.0  # the save's staging: not a step's stretch
+    progress.phase("training")
+    step(0.05)
+    assert progress.allowance == pytest.approx(3.0)
     progress.close()
+
+
+@pytest.mark.parametrize("wrap", ["plain", "ddp", "fsdp2"])
+def test_a_models_forward_and_backward_passes_tick_and_its_gradients_stay_the_same(wrap, tmp_path):
+    """A ResNet-18's 16 hooked modules tick in its forward pass and as often in its backward pass
+    (their output gradients, under DDP and FSDP2 too; its in-place ReLUs break module backward hooks);
+    the gradients are bitwise those of the model without hooks; removed, the hooks tick no more."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = torchvision.models.resnet18(num_classes=4)
+        model = copy.deepcopy(plain)
+        if wrap == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        elif wrap == "fsdp2":
+            for block in (model.layer1, model.layer2, model.layer3, model.layer4):
+                fully_shard(block)
+            fully_shard(model)
+        ticks = [0]
+        handles = tick_inside_steps(model, lambda: ticks.__setitem__(0, ticks[0] + 1))
+        images = torch.randn(2, 3, 32, 32)
+        loss = model(images).sum()
+        forward = ticks[0]
+        assert forward >= TICKING_MODULES  # (a ReLU module that a block calls twice ticks twice)
+        loss.backward()
+        assert ticks[0] == 2 * forward
+        plain(images).sum().backward()
+        for (name, expected), hooked in zip(plain.named_parameters(), model.parameters(), strict=True):
+            grad = hooked.grad.full_tensor() if isinstance(hooked.grad, DTensor) else hooked.grad
+            assert torch.equal(grad, expected.grad), name
+        for handle in handles:
+            handle.remove()
+        model(images).sum().backward()
+        assert ticks[0] == 2 * forward
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_watchdog_a_train_worker_starts_does_not_preload_the_workers_modules(ray_cluster):
@@ -152,7 +274,7 @@ def test_the_watchdog_a_train_worker_starts_does_not_preload_the_workers_modules
 
     @ray.remote(num_cpus=0)
     def start_watchdog_from_a_preloading_worker() -> list[bool]:
-        import torch  # noqa: F401 - preloaded here, as in a train worker
+        importlib.import_module("torch")  # preloaded here, as in a train worker
 
         watchdog = HangWatchdog.options(runtime_env=helper_runtime_env()).remote(None)
         imported = ray.get(watchdog.__ray_call__.remote(lambda _: [m in sys.modules for m in ("torch", "ray.train")]))

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ray_resilient.checkpoint.collectives import all_gathered, broadcast_from_rank0, smallest_on_any_rank
 from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
-from ray_resilient.checkpoint.hooks import AttemptHook, DataWaitSource
+from ray_resilient.checkpoint.hooks import AttemptHook, DataProgressSource, DataWaitSource
 from ray_resilient.checkpoint.layout import checkpoint_dir_name
 from ray_resilient.checkpoint.lease import TTL_S, RunLeaseHeldError
 from ray_resilient.checkpoint.registration import register_durable
@@ -46,6 +46,7 @@ from ray_resilient.spare_workers import SpareWorkerRequest, helper_runtime_env, 
 from ray_resilient.tracking import MetricsLogger
 from ray_resilient.watchdog.monitor import HangWatchdog, watchdog_address
 from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
+from ray_resilient.watchdog.step_hooks import tick_inside_steps
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,13 @@ class Checkpointer:
             a callable ``(metrics, step)``, or None. The goodput ledger itself is always kept
             (``<run dir>/goodput``, see :mod:`ray_resilient.goodput`).
         hang_watchdog: when a rank that makes no progress is declared hung, killed, and the worker
-            group restarted (:mod:`ray_resilient.watchdog`: by default after ``max(5 s, 10 x`` its
-            p99 step time``)``, 600 s for the restore, the first 3 steps, the first save's staging
-            and the final save; a later save's staging: 10 x the one before's, if more);
-            None: only Ray's worker health check (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
+            group restarted (:mod:`ray_resilient.watchdog`). Progress: the forward and backward of
+            the model's modules, each tensor a save stages, each sample the data loader reads,
+            each step and ``progress(phase)``. By default after ``max(5 s, 10 x`` the p99 of its
+            recent steps' longest stretch without progress``)``, 600 s for the restore, the first
+            3 steps, the first save's staging and the final save; a later save's staging: 10 x
+            the one before's, if more. None: only Ray's worker health check
+            (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
         attempt_hooks: called at points of each attempt
             (:class:`~ray_resilient.checkpoint.hooks.AttemptHook`). Spare workers
             (:mod:`ray_resilient.spare_workers`) are requested through one when the run's
@@ -180,8 +184,8 @@ class Checkpointer:
         # writer's group is busy on its thread, and the training group may be NCCL.
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._watchdog, self._progress = self._start_watchdog(hang_watchdog) if hang_watchdog else (None, None)
+        self._tick_hooks = tick_inside_steps(model, self._progress.tick) if self._progress else []
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
-        self._last_progress = 0.0  # when progress(phase) last said the loop was busy between steps
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt: int | None = None  # this attempt's number, known once restore() ran
         self._in_flight: deque[_InFlight] = deque()
@@ -215,7 +219,9 @@ class Checkpointer:
             watchdog = HangWatchdog.options(name=name, runtime_env=helper_runtime_env()).remote(self.storage,
                                                                                                identities)
         name = broadcast_from_rank0(self._writer.group, name)
-        return watchdog, ProgressReporter(config, lambda: watchdog_address(name), identity)
+        data = self.components.data
+        sources = [lambda: data.samples_read] if isinstance(data, DataProgressSource) else []
+        return watchdog, ProgressReporter(config, lambda: watchdog_address(name), identity, sources)
 
     def _note(self, phase: str, startup: bool = False) -> None:
         """Tell the hang watchdog the training thread began ``phase`` (see :class:`ProgressReporter`)."""
@@ -228,6 +234,9 @@ class Checkpointer:
             self._progress.saving(phase, self.last_stall_seconds if self.saves_started else None)
 
     def _stop_watchdog(self) -> None:
+        for hook in self._tick_hooks:
+            hook.remove()
+        self._tick_hooks = []
         if self._progress is not None:
             self._progress.close()
             self._progress = None
@@ -322,8 +331,8 @@ class Checkpointer:
         self._last_metrics = dict(metrics or {})
         self.goodput.step(state.step, self._mark, ended, fetched - self._fetch_seen)
         self.policy.step_finished(ended - self._mark)
-        if self._progress is not None:  # the step alone: not an evaluation reported in between
-            self._progress.step(ended - max(self._mark, self._last_progress))
+        if self._progress is not None:
+            self._progress.step()
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
         if not self._first_step_done:
@@ -345,10 +354,11 @@ class Checkpointer:
 
     def progress(self, phase: str) -> None:
         """Tell the hang watchdog this rank is busy with ``phase`` and getting on: call it now and
-        then during anything longer than a few steps between two ``step_completed`` (an evaluation
-        pass, a long data preparation), so that it is not taken for a hang. Costs an assignment."""
+        then during anything long between two ``step_completed`` that runs neither the model nor
+        the checkpointed data loader, whose progress counts by itself (waiting for an evaluation
+        loader's first batch, writing a report), so that it is not taken for a hang. Costs an
+        assignment."""
         self._note(phase)
-        self._last_progress = time.time()
 
     def finish(self, metrics: Mapping[str, Any] | None = None) -> SaveResult | None:
         """Save the final state (unless just saved), wait until durable, register it with Ray.
@@ -420,7 +430,8 @@ class Checkpointer:
         with self._phase("build state dict"):
             state = self.components.state_to_save(self.train_state, self.rank)
         with self._phase("staging copy"):
-            self._writer.save(state, step, checkpoint_dir_name(step, self._attempt))
+            self._writer.save(state, step, checkpoint_dir_name(step, self._attempt),
+                              self._progress.tick if self._progress is not None else None)
         self.saves_started += 1
         self._last_saved_step = step
         self.last_stall_seconds = time.monotonic() - started

@@ -17,6 +17,18 @@ class DataWaitSource(Protocol):
         ...
 
 
+@runtime_checkable
+class DataProgressSource(Protocol):
+    """A data position whose loading shows progress while the loop waits for it (a
+    :class:`~ray_resilient.data.VolumeDataLoader`): the hang watchdog counts each sample its
+    worker processes read as progress, so a slow volume that is getting on is not a hang."""
+
+    @property
+    def samples_read(self) -> int:
+        """Samples read so far, in every worker process (monotonic)."""
+        ...
+
+
 class AttemptHook(Protocol):
     """Called by the checkpointer at points of an attempt (e.g. starting spare workers once it trains)."""
 

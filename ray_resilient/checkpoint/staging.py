@@ -17,7 +17,7 @@ the benchmarks measure against.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,8 +45,9 @@ class HostStager:
         """Bytes of host memory held by the buffers."""
         return sum(buffer.numel() * buffer.element_size() for buffer, _ in self._leaves.values())
 
-    def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """A snapshot of ``state_dict``: tensors in this stager's buffers, other values deep-copied.
+    def stage(self, state_dict: Mapping[str, Any], progress: Callable[[], None] | None = None) -> dict[str, Any]:
+        """A snapshot of ``state_dict``: tensors in this stager's buffers, other values deep-copied;
+        ``progress`` is called after each tensor's copy.
 
         The snapshot stays valid until the next ``stage()``: the caller must not stage again
         while it is still being written.
@@ -55,7 +56,7 @@ class HostStager:
             self.pin_memory = any(leaf.is_cuda for leaf in _tensor_leaves(state_dict))
         used: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}
         with torch.no_grad():
-            staged = self._stage(state_dict, (), used)
+            staged = self._stage(state_dict, (), used, progress or _nothing)
         self._leaves = used  # buffers of tensors that disappeared are released
         if self.pin_memory:
             torch.cuda.synchronize()
@@ -64,16 +65,18 @@ class HostStager:
     def close(self) -> None:
         self._leaves = {}
 
-    def _stage(self, node: Any, path: Path, used: dict[Path, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    def _stage(self, node: Any, path: Path, used: dict[Path, tuple[torch.Tensor, torch.Tensor]],
+               progress: Callable[[], None]) -> Any:
         if isinstance(node, torch.Tensor):
             buffer, leaf = self._buffer_for(path, node)
             buffer.copy_(node.to_local() if isinstance(node, DTensor) else node, non_blocking=self.pin_memory)
             used[path] = (buffer, leaf)
+            progress()
             return leaf
         if isinstance(node, Mapping):
-            return {key: self._stage(value, (*path, key), used) for key, value in node.items()}
+            return {key: self._stage(value, (*path, key), used, progress) for key, value in node.items()}
         if isinstance(node, (list, tuple)):
-            staged = [self._stage(value, (*path, i), used) for i, value in enumerate(node)]
+            staged = [self._stage(value, (*path, i), used, progress) for i, value in enumerate(node)]
             if isinstance(node, list):
                 return staged
             return type(node)(*staged) if hasattr(node, "_fields") else tuple(staged)  # a namedtuple, or a tuple
@@ -96,6 +99,10 @@ class HostStager:
             # (same mesh and placements) whose local shard is then swapped for the buffer.
             leaf = with_local_tensor(tensor.detach().to("cpu"), buffer)
         return leaf.to_local(), leaf
+
+
+def _nothing() -> None:
+    pass
 
 
 def _tensor_leaves(node: Any) -> Iterator[torch.Tensor]:

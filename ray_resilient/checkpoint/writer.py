@@ -161,16 +161,18 @@ class AsyncCheckpointWriter:
         oldest = self._pending[0]
         return oldest.step, time.monotonic() - oldest.started
 
-    def save(self, state_dict: dict[str, Any], step: int, name: str) -> None:
-        """Stage ``state_dict`` (the training loop's only cost) and write it in the background
-        as the checkpoint directory ``name``, after the saves before it."""
+    def save(self, state_dict: dict[str, Any], step: int, name: str,
+             progress: Callable[[], None] | None = None) -> None:
+        """Stage ``state_dict`` (the training loop's only cost; ``progress`` called after each
+        tensor) and write it in the background as the checkpoint directory ``name``, after the
+        saves before it."""
         if not self.can_stage:
             raise RuntimeError("every staging buffer set is still being written: collect() a save before the next")
         busy = {id(pending.stager) for pending in self._pending}
         stager = next(stager for stager in self._stagers if id(stager) not in busy)
         started = time.monotonic()
         self.faults.fire("staging", step)
-        staged = stager.stage(state_dict)
+        staged = stager.stage(state_dict, progress)
         stage_seconds = time.monotonic() - started
         future = self._executor.submit(self._write, staged, step, name, started, stage_seconds)
         self._pending.append(_Pending(future, stager, step, started))

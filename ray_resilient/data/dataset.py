@@ -31,6 +31,8 @@ from ray_resilient.data.volume import Volume, VolumeError
 
 logger = logging.getLogger(__name__)
 
+READ_COUNTER_SLOTS = 64  # worker processes counted apart (more share slots: still progress, no longer exact)
+
 
 class CorruptSampleError(VolumeError):
     """A file of the volume could not be decoded."""
@@ -141,6 +143,9 @@ class StreamingVolumeDataset(IterableDataset):
         # (epoch, first batch) of the next iteration, set by the loader in the main process and
         # read by the workers, which (persistent or not) start from it.
         self._start = multiprocessing.get_context().RawArray("q", 2)
+        # Samples read, a slot per worker process (one writer each: exact without a lock, which
+        # spawned workers could not share).
+        self._samples_read = multiprocessing.get_context().RawArray("q", READ_COUNTER_SLOTS)
         self._prefetcher: Prefetcher | None = None
         self._reported = CacheStats()
 
@@ -155,6 +160,12 @@ class StreamingVolumeDataset(IterableDataset):
     def layout(self) -> str | None:
         """The topology a position depends on (None: it continues on any world size and workers)."""
         return None
+
+    @property
+    def samples_read(self) -> int:
+        """Samples read so far (counted as each one's decoding starts), by every process iterating
+        this dataset: the hang watchdog's progress while the training loop waits for a batch."""
+        return sum(self._samples_read)
 
     def set_start(self, epoch: int, batch: int) -> None:
         """Where the next iteration starts: the rank's batch ``batch`` of ``epoch``."""
@@ -185,6 +196,8 @@ class StreamingVolumeDataset(IterableDataset):
 
         None for a sample that does not decode when ``skip_corrupt``; else CorruptSampleError.
         """
+        info = get_worker_info()
+        self._samples_read[(info.id if info is not None else 0) % READ_COUNTER_SLOTS] += 1
         try:
             image = decode_image(data, mode=ImageReadMode.RGB)
         except RuntimeError as err:
@@ -195,7 +208,7 @@ class StreamingVolumeDataset(IterableDataset):
         # The CPU generator only: torch.manual_seed also queues a lazy CUDA seeding, which
         # captures a stack trace on every call (~0.5 ms, more than decoding a small JPEG).
         seed = derive_seed(self.seed, epoch, sample_id)
-        if get_worker_info() is not None:  # a worker process: its generator serves this alone
+        if info is not None:  # a worker process: its generator serves this alone
             torch.default_generator.manual_seed(seed)
             return self.transform(image)
         with torch.random.fork_rng(devices=[]):  # num_workers=0: keep the training loop's stream

@@ -117,6 +117,12 @@ class VolumeDataLoader(DataLoader):
         return self.metrics.fetch_seconds
 
     @property
+    def samples_read(self) -> int:
+        """Samples the dataset's processes have read so far, for batches not yet received too
+        (the checkpointer's :class:`~ray_resilient.checkpoint.hooks.DataProgressSource`)."""
+        return self.volume_dataset.samples_read
+
+    @property
     def global_batches(self) -> int:
         """Global batches the run received so far, over every epoch and attempt: the training
         step when each batch is one step. Metrics are logged against it, so that curves continue

@@ -1,19 +1,24 @@
 """The hang watchdog: an actor outside every rank that declares a rank hung and kills it.
 
-Each rank keeps one TCP connection to it (:class:`~ray_resilient.watchdog.progress.ProgressReporter`).
-Once no rank's progress counter has moved for longer than the allowance each last sent, the attempt
-is hung: a stuck collective, a hung filesystem, a process stopped by its host or a lost node (in
-data-parallel training the others soon stall too, waiting for it in their collectives; while one
-rank still progresses, e.g. rank 0 evaluating while the others wait for it, nothing is hung). The
-watchdog then names one culprit: a rank that went silent (its heartbeats stopped: stopped, or its
-node lost) before one that still answers, and among those the one whose progress stopped first. It
-knows every rank of the attempt from its creation (rank 0 passes their identities), so the ranks
-train on while its process starts, off the recovery's critical path: a rank that never reached it
-(stopped, or its node lost, meanwhile) counts as silent, without progress, since the watchdog
-started. It asks for the culprit's Python stack (a silent process does not answer), logs an error
-naming the rank, its host, its phase and the stack, records a ``hang`` event in the run's goodput
-ledger (from the last progress to now), and SIGKILLs the process through a task on its node; the
-others' broken collectives end the attempt. Ray Train then restarts the worker group as for a crash,
+Each rank keeps one TCP connection to it
+(:class:`~ray_resilient.watchdog.progress.ProgressReporter`). Once no rank's progress counter has
+moved for longer than the attempt's allowance, the attempt is hung: a stuck collective, a hung
+filesystem, a process stopped by its host or a lost node (in data-parallel training the others soon
+stall too, waiting for it in their collectives; while one rank still progresses, e.g. rank 0
+evaluating while the others wait for it, nothing is hung). The attempt's allowance is the smallest
+of the ranks' step allowances (a stretch in which no rank progressed is one every rank saw among its
+own steps' stretches: a rank that waited for rank 0's evaluations has a larger allowance, which says
+nothing of how long the attempt may stand still), or a rank's own phase allowance (a restore, its
+first steps, a save) if that is larger: the others may be waiting for it. The watchdog then names
+one culprit: a rank that went silent (its heartbeats stopped: stopped, or its node lost) before one
+that still answers, and among those the one whose progress stopped first. It knows every rank of the
+attempt from its creation (rank 0 passes their identities), so the ranks train on while its process
+starts, off the recovery's critical path: a rank that never reached it (stopped, or its node lost,
+meanwhile) counts as silent, without progress, since the watchdog started. It asks for the culprit's
+Python stack (not a silent one's: it would not answer), logs an error naming the rank, its host, its
+phase and the stack, records a ``hang`` event in the run's goodput ledger (from the last progress to
+now), and SIGKILLs the process and its DataLoader workers (itself on its own node, else through a task
+on the rank's node); the others' broken collectives end the attempt. Ray Train then restarts the worker group as for a crash,
 seconds after the hang instead of after its worker health-check timeout (600 s by default).
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -50,7 +56,8 @@ class _Rank:
     identity: dict[str, Any]  # rank, pid, node_id, host
     writer: asyncio.StreamWriter | None  # None: never reached the watchdog
     progress: int = -1
-    allowance: float = 0.0
+    allowance: float = math.inf  # until it reports one
+    own_phase: bool = False  # the allowance is its phase's (restore, warm-up, save), not its steps'
     phase: str = "start"
     changed: float = field(default_factory=time.monotonic)  # when its progress last moved
     heard: float = field(default_factory=time.monotonic)  # when it last sent anything
@@ -69,9 +76,17 @@ def watchdog_address(name: str) -> tuple[str, int]:
             time.sleep(0.1)
 
 
-@ray.remote(num_cpus=0)
-def _kill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
+def _kill_rank(pid: int) -> None:
+    """SIGKILL the rank ``pid`` and, when it leads its own process group (a Ray worker does), the
+    group: its DataLoader workers hold copies of its sockets, so the other ranks would see its
+    collectives' connections close only when those workers noticed their parent gone (5 s later)."""
+    if os.getpgid(pid) == pid:
+        os.killpg(pid, signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGKILL)
+
+
+_kill_rank_on_its_node = ray.remote(num_cpus=0)(_kill_rank)
 
 
 @ray.remote(num_cpus=0)
@@ -120,7 +135,7 @@ class HangWatchdog:
                     continue
                 if message["p"] != rank.progress:
                     rank.progress, rank.changed = message["p"], time.monotonic()
-                rank.allowance, rank.phase = message["a"], message["ph"]
+                rank.allowance, rank.phase, rank.own_phase = message["a"], message["ph"], message["own"]
         except (ConnectionError, ValueError):
             pass
         finally:  # the process ended (or died: Ray sees that itself)
@@ -129,28 +144,31 @@ class HangWatchdog:
             writer.close()
 
     async def _check(self) -> None:
-        """Declare one culprit once every rank overstays its allowance (see the module docstring)."""
+        """Declare one culprit once no rank progressed for the attempt's allowance (see the module docstring)."""
         while True:
             await asyncio.sleep(CHECK_EVERY_S)
             now = time.monotonic()
             ranks = [*self._ranks.values(), *self._absent.values()]
-            if not self._ranks or not all(now - rank.changed > rank.allowance for rank in ranks):
+            allowed = max([min((r.allowance for r in self._ranks.values() if not r.own_phase), default=0.0),
+                           *(r.allowance for r in self._ranks.values() if r.own_phase)])
+            if not self._ranks or not all(now - rank.changed > allowed for rank in ranks):
                 continue
             culprit = min(ranks, key=lambda r: (now - r.heard <= SILENT_S, r.changed))
             others = ", ".join(
                 f"rank {r.identity['rank']} {'silent' if now - r.heard > SILENT_S else 'answering'}, no progress "
                 f"for {now - r.changed:.1f} s" for r in ranks if r is not culprit)
-            await self._declare(culprit, now - culprit.changed, others or "no other rank connected")
+            await self._declare(culprit, now - culprit.changed, allowed, others or "no other rank connected")
             return  # its death ends the attempt
 
-    async def _declare(self, rank: _Rank, age: float, others: str) -> None:
+    async def _declare(self, rank: _Rank, age: float, allowed: float, others: str) -> None:
         who = rank.identity
         if rank.writer is None:
             stalled = f"never reached the watchdog, started {age:.1f} s ago"
             doing = "; it does not answer (stopped, or its node lost, before it could reach the watchdog)"
         else:
-            stalled = f"made no progress for {age:.1f} s (allowed {rank.allowance:.1f} s) in {rank.phase!r}"
+            stalled = f"made no progress for {age:.1f} s (allowed {allowed:.1f} s) in {rank.phase!r}"
             doing = "; it does not answer (stopped, or its node is lost)"
+        if rank.writer is not None and time.monotonic() - rank.heard <= SILENT_S:  # it may still answer
             rank.stack = asyncio.get_running_loop().create_future()
             try:
                 rank.writer.write(b"stack\n")
@@ -171,7 +189,10 @@ class HangWatchdog:
         if rank.writer is not None:
             rank.writer.close()
         try:
-            await _kill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(who["node_id"], soft=False)).remote(
-                who["pid"])
+            if who["node_id"] == ray.get_runtime_context().get_node_id():
+                _kill_rank(who["pid"])  # at once: a task may wait seconds for a worker process
+            else:
+                await _kill_rank_on_its_node.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(who["node_id"], soft=False)).remote(who["pid"])
         except Exception:  # noqa: BLE001 - gone already (its node too): Ray sees that itself
             logger.warning("Could not kill the hung rank %s", who["rank"], exc_info=True)
