@@ -1,13 +1,14 @@
 """Every use of a private or unstable Ray API, behind one wall.
 
-ray_resilient needs a few things Ray 2.60 offers only internally or as a DeveloperAPI: the Ray
-Train run's id and storage (``get_storage()``), the raylet's ``PrestartWorkers`` RPC and the
-worker setup hook's variable (spare workers), the GCS's node table (the local test cluster),
-environment variables read by Ray's C++ core and Train V2's controller, replica-group replacement
-(``has_replica_groups``, survivor mode), the text of the controller's log (restart timings) and
-the autoscaler's config schema (``cluster/``). Nothing else in the repository (package, jobs,
-benchmarks, tests) touches ``ray._private``, ``ray._raylet``, any ``_internal`` or other
-underscore module of Ray, or those DeveloperAPIs: ``tests/test_layering.py`` scans for them.
+ray_resilient needs a few things Ray 2.60 offers only internally or as a DeveloperAPI: the Ray Train
+run's id and storage (``get_storage()``), the raylet's ``PrestartWorkers`` RPC and the worker setup
+hook's variable (spare workers), the GCS's node table (the local test cluster), environment
+variables read by Ray's C++ core and Train V2's controller, replica-group replacement
+(``has_replica_groups``, survivor mode), the callback that starts an attempt's ``DatasetManager``,
+the text of the controller's log (restart timings) and the autoscaler's config schema
+(``cluster/``). Nothing else in the repository (package, jobs, benchmarks, tests) touches
+``ray._private``, ``ray._raylet``, any ``_internal`` or other underscore module of Ray, or those
+DeveloperAPIs: ``tests/test_layering.py`` scans for them.
 
 Each use has a test in ``tests/test_ray_internals.py`` that fails loudly when a Ray upgrade moves
 it. At run time a moved API degrades to a warning and a fallback where one exists, never an
@@ -201,6 +202,24 @@ def is_replica_group(worker_group: object) -> bool:
         logger.warning("Ray Train's ReplicaGroup is not where ray_resilient expects it (%r)", err)
         return type(worker_group).__name__ == "ReplicaGroup"
     return isinstance(worker_group, ReplicaGroup)
+
+
+def without_unused_dataset_manager(trainer: Any) -> Any:
+    """``trainer`` (a Ray Train 2.60 ``DataParallelTrainer``), made not to start a ``DatasetManager``
+    actor when it has no ``datasets``: Ray starts one for every attempt of every run, a new process
+    importing Ray Data and pandas (about 2 CPU s) that nothing asks anything of. Warns and leaves the
+    trainer as it is when this Ray moved the callback that starts it."""
+    if getattr(trainer, "datasets", None) or not hasattr(trainer, "_create_default_callbacks"):
+        return trainer
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    except ImportError as err:
+        logger.warning("Ray Train's DatasetsCallback is not where ray_resilient expects it (%r)", err)
+        return trainer
+    default_callbacks = trainer._create_default_callbacks
+    trainer._create_default_callbacks = lambda: [
+        callback for callback in default_callbacks() if not isinstance(callback, DatasetsCallback)]
+    return trainer
 
 
 def with_replica_groups(backend_cls: _BackendType) -> _BackendType:

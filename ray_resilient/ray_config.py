@@ -73,7 +73,7 @@ from ray.train import (
 
 from ray_resilient._ray_internals import (
     TRAIN_HEALTH_CHECK_INTERVAL_ENV, TRAIN_PRINT_PATCH_ENV, TRAIN_WORKER_GROUP_START_TIMEOUT_ENV,
-    TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV,
+    TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV, without_unused_dataset_manager,
 )
 from ray_resilient.checkpoint.layout import list_checkpoints
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
@@ -127,7 +127,9 @@ class ResilientRayConfig:
         return kwargs
 
     def fit(self, trainer: Any) -> Result:
-        """``trainer.fit()``, recording the driver's start in the run's goodput ledger.
+        """``trainer.fit()``, recording the driver's start in the run's goodput ledger; a trainer
+        without Ray ``datasets`` starts no ``DatasetManager`` actor (Ray starts one for every
+        attempt: a process importing Ray Data, about 2 CPU s, on the restart's critical path).
 
         When Ray gives up on the run, raises :class:`RunFailedError`, which names the exhausted
         ``max_failures``, the last error, and the newest complete checkpoint, which a driver
@@ -142,7 +144,7 @@ class ResilientRayConfig:
         ledger.record(EventKind.JOB_START)
         ledger.close()
         try:
-            return trainer.fit()
+            return without_unused_dataset_manager(trainer).fit()
         except TrainingFailedError as err:
             failure = getattr(err, "controller_failure", None)
             if isinstance(failure, UnrecoverableRunError):

@@ -109,7 +109,8 @@ def test_a_train_run_has_its_run_id_and_storage_and_the_controller_logs_its_rest
     """Inside a real train function the run id and storage come from Ray (not the job-id
     fallback), and the controller's log has the records a restart is timed by
     (``controller_restart``, behind the experiment kit's ``recovery_phases``): the retry decision
-    (the first attempt fails) and the phases of the restarted worker group's start."""
+    (the first attempt fails) and the phases of the restarted worker group's start. Neither attempt
+    started a DatasetManager actor (``without_unused_dataset_manager``: the run has no datasets)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -123,8 +124,13 @@ def test_a_train_run_has_its_run_id_and_storage_and_the_controller_logs_its_rest
 
     run_config = RunConfig(name="internals", storage_path=str(tmp_path / "storage"),
                            failure_config=FailureConfig(max_failures=1))
-    started = time.time()
-    assert TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=1), run_config=run_config).fit().error is None
+    def dataset_managers() -> int:
+        return sum(actor["ActorClassName"] == "DatasetManager" for actor in ray._private.state.actors().values())
+
+    managers_before, started = dataset_managers(), time.time()
+    trainer = TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=1), run_config=run_config)
+    assert _ray_internals.without_unused_dataset_manager(trainer).fit().error is None
+    assert dataset_managers() == managers_before
     run_id, run_dir = json.loads(out.read_text())
     assert re.fullmatch(r"[0-9a-f]{32}", run_id) and run_dir == f"{tmp_path}/storage/internals"
     session_dir = Path(ray._private.worker._global_node.get_session_dir_path())

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from ray_resilient import Checkpointer, spare_workers
+from ray_resilient._ray_internals import without_unused_dataset_manager
 from ray_resilient.checkpoint.lease import TTL_S
 from ray_resilient.testing import Recorder, RecordKind, train_replica, wait_until
 from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
@@ -319,7 +320,7 @@ def run_job(
             worker_runtime_env={"env_vars": RUN_JOB_WORKER_ENV},
         ),
     )
-    return trainer.fit()
+    return without_unused_dataset_manager(trainer).fit()  # as ResilientRayConfig.fit does
 
 
 EMULATED_STEP_SECONDS = 0.02
