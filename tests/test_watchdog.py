@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -229,6 +231,23 @@ def test_the_allowance_is_a_multiple_of_the_longest_stretch_without_progress_of_
     step(0.05)
     assert progress.allowance == pytest.approx(3.0)
     progress.close()
+
+
+def test_a_failing_progress_source_leaves_the_heartbeat_going():
+    """A source of progress that raises is dropped with a warning: the reporter thread goes on
+    beating (had it died, its connection would close and the watchdog stop watching the rank)."""
+    def broken_source() -> int:
+        raise OSError("the loader is gone")
+
+    server = socket.create_server(("127.0.0.1", 0))
+    progress = ProgressReporter(HangWatchdogConfig(), server.getsockname, {"rank": 0}, [broken_source])
+    connection, _ = server.accept()
+    with connection, connection.makefile() as beats:
+        assert json.loads(beats.readline()) == {"rank": 0}
+        progress.tick()
+        assert json.loads([beats.readline() for _ in range(4)][-1])["p"] >= 1  # beats go on, with the tick
+    progress.close()
+    server.close()
 
 
 @pytest.mark.parametrize("wrap", ["plain", "ddp", "fsdp2"])

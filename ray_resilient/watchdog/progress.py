@@ -129,7 +129,13 @@ class ProgressReporter:
     def _poll_sources(self) -> None:
         """A tick when the progress made outside the training thread changed since the last beat."""
         if self._sources:
-            seen = sum(source() for source in self._sources)
+            try:
+                seen = sum(source() for source in self._sources)
+            except Exception:  # noqa: BLE001 - the beat must go on: a silent rank would count as stopped
+                logger.warning("A progress source failed; only the training thread's progress counts now",
+                               exc_info=True)
+                self._sources = ()
+                return
             if seen != self._sources_seen:
                 self._sources_seen = seen
                 self.tick()
