@@ -2,14 +2,15 @@
 
 So that a long step that is getting on is never taken for a hang, and a rank hung inside one is
 found nearly as soon as in a short one (:mod:`.progress`). Up to :data:`TICKING_MODULES` leaf
-modules, evenly spread over the model, tick after their forward and when their output's gradient
-is computed in the backward pass (a hook on the output tensor: module backward hooks break on
-in-place ops such as ResNet's ``ReLU(inplace=True)``). A hook costs about 2 microseconds a call,
-so a step pays for at most 32 ticks however large the model, and its longest stretch without
-progress stays a small share of it (the optimizer step and the data wait fall between two ticks;
-the data loader's own progress is counted apart). This works the same on a plain module, under
-``DistributedDataParallel`` and under FSDP2 (``fully_shard``). Inside a ``torch.compile``'d graph
-the hooks do nothing (no graph break): a compiled model's forward and backward count as one stretch.
+modules, evenly spread over the model, tick after their forward and when their output's gradient is
+computed in the backward pass (a hook on the output tensor: module backward hooks break on in-place
+ops such as ResNet's ``ReLU(inplace=True)``). A hook costs about 2 microseconds a call, so a step
+pays for about 32 ticks however large the model (a module it calls twice ticks twice), and its
+longest stretch without progress stays a small share of it (the optimizer step and the data wait
+fall between two ticks; the data loader's own progress is counted apart). This works the same on a
+plain module, under ``DistributedDataParallel`` and under FSDP2 (``fully_shard``). Inside a
+``torch.compile``'d graph the hooks do nothing (no graph break): a compiled model's forward and
+backward count as one stretch.
 """
 
 from __future__ import annotations
