@@ -124,16 +124,17 @@ def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
 
 def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progressing_one_is_not(ray_cluster,
                                                                                                tmp_path):
-    """Four attempts' watchdogs. In one, a rank's training thread gets stuck while four others run
-    a long evaluation that reports its phases, a long step that ticks, a long wait for data read
+    """Four attempts' watchdogs. In one, a rank's training thread gets stuck while four others run a
+    long evaluation that reports its phases, a long step that ticks, a long wait for data read
     by other processes and a slow save: nothing is declared while they progress, then only the
     stuck one, with its stack. In another, one rank is stopped and another waits for it (stalled
     too, but still answering, as in a collective): the stopped one is declared, though both
-    stalled, after the smaller of their allowances (the stopped one's is larger: it waited for the
-    other's evaluations), and killed with its DataLoader worker (its process group). In the third, rank 1 was stopped before it reached the watchdog (the watchdog knows
-    it only from the identity rank 0 passed): it is declared and killed, not rank 0, which waits
-    for it. In the fourth, a rank whose steps take 1 s but tick every 0.05 s gets stuck inside a
-    step: declared after the floor, not after 10 x its step time."""
+    stalled, after the smaller of their allowances (the stopped one's is larger: it waited for
+    the other's evaluations), and killed with its DataLoader worker (its process group). In the
+    third, rank 1 was stopped before it reached the watchdog (the watchdog knows it only from
+    the identity rank 0 passed): it is declared and killed, not rank 0, which waits for it. In
+    the fourth, a rank whose steps take 1 s but tick every 0.05 s gets stuck inside a step:
+    declared after the floor, not after 10 x its step time."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     storage = RunStorage(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))

@@ -17,9 +17,10 @@ starts, off the recovery's critical path: a rank that never reached it (stopped,
 meanwhile) counts as silent, without progress, since the watchdog started. It asks for the culprit's
 Python stack (not a silent one's: it would not answer), logs an error naming the rank, its host, its
 phase and the stack, records a ``hang`` event in the run's goodput ledger (from the last progress to
-now), and SIGKILLs the process and its DataLoader workers (itself on its own node, else through a task
-on the rank's node); the others' broken collectives end the attempt. Ray Train then restarts the worker group as for a crash,
-seconds after the hang instead of after its worker health-check timeout (600 s by default).
+now), and SIGKILLs the process and its DataLoader workers (itself on its own node, else through a
+task on the rank's node); the others' broken collectives end the attempt. Ray Train then restarts
+the worker group as for a crash, seconds after the hang instead of after its worker health-check
+timeout (600 s by default).
 """
 
 from __future__ import annotations
