@@ -417,6 +417,51 @@ def test_resume_twice_in_a_row(image_dir, tmp_path, uninterrupted):
     assert ids == reference[:15]
 
 
+def test_survivor_replicas_read_exactly_the_plans_micro_batches_and_a_new_membership_replans_at_its_step(
+        image_dir, tmp_path, uninterrupted):
+    """Survivor mode's reads: micro-batch k of 3 of each global batch is its k-th third, whichever
+    replica reads it. Three replicas (2, 1 and 0 DataLoader workers) train steps 0-4; replica 1
+    is lost after reading its part of step 5, which the others then train again as 2 replicas
+    (across the epoch's end at step 11); a replacement restored from replica 0's position joins
+    at step 15. Every step's micro-batches, in order, are the uninterrupted run's global batch, and
+    reading one (starting an epoch's iteration included) leaves torch's RNG as it was."""
+    volume, parts = Volume(image_dir), 3
+    loaders = [make_loader(volume, tmp_path / "cache", rank, 3, workers) for rank, workers in enumerate((2, 1, 0))]
+    served: dict[int, dict[int, tuple[list[int], torch.Tensor]]] = collections.defaultdict(dict)
+
+    def train(step: int, members: list[VolumeDataLoader]) -> None:
+        for rank, loader in enumerate(members):
+            loader.assign_micro_batches(step, rank, len(members), parts)
+            for k in range(rank, parts, len(members)):
+                rng = torch.get_rng_state()
+                batch = loader.micro_batch(step, k)
+                assert torch.equal(torch.get_rng_state(), rng)  # the loss's noise is the micro-batch's own
+                assert (batch.global_batch, batch.micro_batch) == (step % 11, k)
+                served[step][k] = (batch.sample_ids.tolist(), batch.images)
+
+    for step in range(5):
+        train(step, loaders)
+    loaders[1].assign_micro_batches(5, 1, 3, parts)
+    loaders[1].micro_batch(5, 1)  # read, then lost with the step
+    survivors = [loaders[0], loaders[2]]
+    for step in range(5, 15):
+        train(step, survivors)
+    assert survivors[0].state_dict()["epoch"] == 1 and survivors[0].state_dict()["samples"] == 4 * GLOBAL_BATCH
+    replacement = make_loader(volume, tmp_path / "cache", 1, 3, 1)
+    replacement.load_state_dict(survivors[0].state_dict())
+    for step in range(15, 22):
+        train(step, [loaders[0], replacement, loaders[2]])
+    for step, (ids, images) in enumerate(uninterrupted):
+        assert sum((served[step][k][0] for k in range(parts)), []) == ids
+        assert torch.equal(torch.cat([served[step][k][1] for k in range(parts)]), images)
+    with pytest.raises(RuntimeError, match=r"micro-batch 2 of step 22 was asked for where \(22, 0\) is due"):
+        loaders[0].micro_batch(22, 2)
+    with pytest.raises(ValueError, match="global batch size 6 is not divisible into 4 micro-batches"):
+        loaders[0].assign_micro_batches(22, 0, 2, 4)
+    with pytest.raises(ValueError, match="replica 3 of 4 cannot share 3 micro-batches"):
+        loaders[0].assign_micro_batches(22, 3, 4, 3)
+
+
 def test_position_of_another_volume_is_refused(image_dir, tmp_path):
     loader = make_loader(Volume(image_dir), tmp_path / "cache")
     state = loader.state_dict()

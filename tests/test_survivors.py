@@ -8,7 +8,7 @@ import os
 import signal
 import statistics
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,12 @@ import trainlib
 from ray_resilient import recommended_ray_config
 from ray_resilient.checkpoint import list_checkpoints
 from ray_resilient.goodput import read_events
-from ray_resilient.testing import Driver, read_records, wait_until
-from ray_resilient.testing.synthetic_data import SyntheticBatches
+from ray_resilient.data import SamplePlan
+from ray_resilient.testing import Driver, make_image_volume, read_records, wait_until
 
 pytestmark = pytest.mark.slow
 
-# 10 global batches of 48 per epoch, 3 micro-batches of 16: 60 steps.
+# 480 images on S3 (survivor_volume): 10 global batches of 48 per epoch, 3 micro-batches of 16: 60 steps.
 SURVIVOR_JOB = {"seed": 11, "samples": 480, "global_batch": 48, "epochs": 6, "micro_batches": 3, "interval": 10,
                 "step_seconds": 0.03}
 
@@ -65,23 +65,37 @@ class SurvivorRun:
     record: Path  # the record_dir of survivor_fn
     run_dir: Path
     result: Any  # ray.train.Result
+    job: dict  # its survivor_fn config, less its record: what every other run trains
 
 
 REFERENCE_MTBF_S = 30.0  # the reference saves at Daly's interval for it: about every 8 steps here
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory) -> SurvivorRun:
-    """The survivor job uninterrupted: the reference every other run must match (the interval
-    does not change the training). Its lead saves at the ``"auto"`` interval, logs live goodput
-    to MLflow every 5 steps, and Ray keeps 2 checkpoints."""
+def survivor_volume(s3_server) -> dict[str, str]:
+    """480 real JPEGs (3 classes, 8 pixels a side) on the session's S3 server: the survivor job's
+    volume (``survivor_fn``'s ``volume``)."""
+    root = f"{s3_server.bucket}/volumes/survivors"
+    make_image_volume(s3_server.filesystem(), root, classes=3, per_class=SURVIVOR_JOB["samples"] // 3, size=8,
+                      seed=SURVIVOR_JOB["seed"])
+    return {"uri": f"s3://{root}", "endpoint": f"http://{s3_server.endpoint}", "access_key": s3_server.access_key,
+            "secret_key": s3_server.secret_key}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, survivor_volume, tmp_path_factory) -> SurvivorRun:
+    """The survivor job on the S3 volume uninterrupted: the reference every other run must match
+    (the interval does not change the training). Its lead saves at the ``"auto"`` interval, logs
+    live goodput to MLflow every 5 steps, replica 0's loader its metrics, and Ray keeps 2 checkpoints."""
     root = tmp_path_factory.mktemp("survivors-reference")
     (root / "rec").mkdir()
-    config = {**SURVIVOR_JOB, "record_dir": str(root / "rec"), "interval": "auto", "mtbf_s": REFERENCE_MTBF_S,
-              "goodput_logger": "mlflow", "goodput_log_every": 5}
+    job = {**SURVIVOR_JOB, "volume": survivor_volume}
+    config = {**job, "record_dir": str(root / "rec"), "interval": "auto", "mtbf_s": REFERENCE_MTBF_S,
+              "goodput_logger": "mlflow", "goodput_log_every": 5, "data_logger": "mlflow",
+              "volume": {**survivor_volume, "cache_dir": str(root / "cache")}}
     result = fit_survivors(config, root / "storage", "survivor-reference", num_to_keep=2)
     assert result.error is None
-    return SurvivorRun(root / "rec", root / "storage" / "survivor-reference", result)
+    return SurvivorRun(root / "rec", root / "storage" / "survivor-reference", result, job)
 
 
 def test_the_lead_saves_at_dalys_interval_logs_live_goodput_and_registers_with_ray(uninterrupted):
@@ -108,6 +122,10 @@ def test_the_lead_saves_at_dalys_interval_logs_live_goodput_and_registers_with_r
                               f"tags.`{RUN_TAG}` = 'survivor-reference'")
     history = client.get_metric_history(run.info.run_id, "goodput/goodput")
     assert len(history) >= 10 and all(0 < m.value <= 1 for m in history)
+    # Replica 0's loader logs what it waited for and what its node's cache did, as in the mainline.
+    logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "data/fetch_seconds"))
+    assert logged[:6] == list(range(5, 31, 5)) and set(logged) <= set(range(5, 61, 5))  # the last may be cut off
+    assert client.get_metric_history(run.info.run_id, "data/bytes_downloaded")[-1].value > 0
 
     complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(uninterrupted.run_dir)) if c.complete]
     assert [c.step for c in complete] == [s["step"] for s in saves[-2:]]
@@ -122,7 +140,11 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
     record.mkdir()
     storage = tmp_path / "storage"
     released = [tmp_path / "replacement-1-started", tmp_path / "replacement-0-started"]
-    config = {**SURVIVOR_JOB, "record_dir": str(record), "faults": "slow_write:upload=30:seconds=4",
+    # The replicas stream their micro-batches from S3 into a cache of their own (their loaders
+    # read in-process: spawned DataLoader workers would cost 4 CPU s each; tests/test_data.py
+    # reads micro-batches through workers).
+    config = {**uninterrupted.job, "record_dir": str(record), "faults": "slow_write:upload=30:seconds=4",
+              "volume": {**uninterrupted.job["volume"], "cache_dir": str(tmp_path / "cache")},
               # The survivors stop at these steps until the test saw the replacement start, so that
               # it joins before the run ends (joining needs steps to be trained).
               "wait_at": [{"step": 20, "until": str(released[0])}, {"step": 40, "until": str(released[1])}]}
@@ -161,8 +183,8 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
 
     # Every sample of every epoch trained exactly once in kept steps: each step committed once per
     # process, all of that step's processes agree on who trained it, and the micro-batches they
-    # computed are the plan's, none twice.
-    plan = SyntheticBatches(480, 48, 11, 0, 1)
+    # computed (the sample ids the loader gave) are the plan's, none twice.
+    plan = SamplePlan(SURVIVOR_JOB["samples"], SURVIVOR_JOB["global_batch"], 1, SURVIVOR_JOB["seed"])
     for pid, steps in steps_of.items():
         assert steps == sorted(set(steps)), pid
     by_step = defaultdict(list)
@@ -173,9 +195,13 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
         assert len({tuple(r["members"]) for r in rs}) == 1, step
         parts = [int(k) for r in rs for k in r["parts"]]
         assert len(parts) == len(set(parts)) and set(parts) <= {0, 1, 2}
+        epoch, batch = divmod(step - 1, plan.batches_per_epoch)
         for r in rs:
             for part, ids in r["parts"].items():
-                assert ids == plan.micro_batch(step - 1, int(part), 3)[0].tolist()
+                assert ids == plan.global_batch_indices(epoch, batch)[int(part) * 16:(int(part) + 1) * 16].tolist()
+    trained = Counter((r["epoch"], i) for rs in by_step.values() for r in rs for ids in r["parts"].values()
+                      for i in ids)
+    assert set(trained.values()) == {1} and len(trained) == 6 * 480
     assert {len(rs[0]["members"]) for rs in by_step.values()} == {2, 3}  # degraded, then whole again
 
     # Deterministic reductions: bitwise the whole state of the uninterrupted run (BatchNorm's
@@ -236,7 +262,7 @@ def test_a_killed_driver_resumes_from_the_newest_checkpoint_that_reads_all_repli
     record, storage = tmp_path / "rec", tmp_path / "storage"
     record.mkdir()
     released = tmp_path / "released"
-    loop = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": 25, "until": str(released)}],
+    loop = {**uninterrupted.job, "record_dir": str(record), "wait_at": [{"step": 25, "until": str(released)}],
             "lease_ttl_s": trainlib.RESTARTED_DRIVER_LEASE_TTL_S}
     config = {"name": "survivors", "storage": str(storage), "loop": loop, "address": ray_cluster}
     first = Driver.start("test_survivors:fit_survivors_in_driver", config, env=driver_env, workdir=tmp_path,
@@ -280,21 +306,20 @@ class HeldRun:
     outcome: dict
 
     @classmethod
-    def launch(cls, tmp_path: Path, name: str, hold_at: int, **loop) -> "HeldRun":
-        """Start it; returns at once."""
+    def launch(cls, tmp_path: Path, job: dict, name: str, hold_at: int, **loop) -> "HeldRun":
+        """Start ``job`` (a :class:`SurvivorRun`'s); returns at once."""
         record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
         record.mkdir()
-        config = {**SURVIVOR_JOB, "record_dir": str(record), "wait_at": [{"step": hold_at, "until": str(released)}],
-                  **loop}
+        config = {**job, "record_dir": str(record), "wait_at": [{"step": hold_at, "until": str(released)}], **loop}
         outcome: dict = {}
         thread = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, name, workers=2)))
         thread.start()
         return cls(record, storage / name, released, thread, outcome)
 
     @classmethod
-    def start(cls, tmp_path: Path, name: str, hold_at: int, **loop) -> "HeldRun":
+    def start(cls, tmp_path: Path, job: dict, name: str, hold_at: int, **loop) -> "HeldRun":
         """Start it; returns once the replicas trained step ``hold_at``."""
-        held = cls.launch(tmp_path, name, hold_at, **loop)
+        held = cls.launch(tmp_path, job, name, hold_at, **loop)
         try:
             wait_until(lambda: newest_step(held.record) >= hold_at, timeout=300, what=f"step {hold_at}")
         except TimeoutError:
@@ -329,7 +354,7 @@ def test_the_only_replica_with_state_killed_while_copying_it_leaves_the_others_t
     killed in the middle of the copy (a fault of the copy). The replacement holds no state: it must
     not train on from step 0 under the run's first attempt number (writing over its checkpoints)."""
     # Replica 0 stops after step 15 until the replacement started, so that it copies.
-    held = HeldRun.start(tmp_path, "copy", 15, faults="kill:step=12:rank=1;kill:copy=12:rank=0")
+    held = HeldRun.start(tmp_path, uninterrupted.job, "copy", 15, faults="kill:step=12:rank=1;kill:copy=12:rank=0")
     try:
         killed = pid_of(held.record, 1)
         wait_until(lambda: pid_of(held.record, 1, not_pid=killed), timeout=300, what="replica 1's replacement")
@@ -348,7 +373,7 @@ def test_the_last_replica_with_state_lost_while_a_replacement_waits_leaves_it_to
     """Replica 1 is killed while replica 0 stands after step 15; its replacement waits to be taken
     in at a step boundary; then replica 0 is killed too (another of Ray's health-check polls).
     Nobody would ever take the replacement in: it must not wait forever."""
-    held = HeldRun.start(tmp_path, "waiting", 15)
+    held = HeldRun.start(tmp_path, uninterrupted.job, "waiting", 15)
     try:
         first = {replica: pid_of(held.record, replica) for replica in range(2)}
         os.kill(first[1], signal.SIGKILL)
@@ -391,7 +416,8 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced_and_a_second_r
 
     monkeypatch.setenv("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", "8")
     # The survivor stops after step 30 until the replacement started, so that it joins before the end.
-    held = HeldRun.launch(tmp_path, "stopped", 30, interval=5, faults="slow_write:upload=5:seconds=5")
+    held = HeldRun.launch(tmp_path, uninterrupted.job, "stopped", 30, interval=5,
+                          faults="slow_write:upload=5:seconds=5")
     record, storage = held.record, held.storage
     stopped = 0
     try:
@@ -402,7 +428,7 @@ def test_a_stopped_replica_is_dropped_within_seconds_and_replaced_and_a_second_r
         wait_until(lambda: newest_step(record) >= 30, timeout=300, what="step 30")
         other = tmp_path / "other"
         other.mkdir()
-        refused = fit_survivors_refused({**SURVIVOR_JOB, "record_dir": str(other)}, storage.parent, "stopped")
+        refused = fit_survivors_refused({**uninterrupted.job, "record_dir": str(other)}, storage.parent, "stopped")
         assert isinstance(refused, RunLeaseHeldError) and "is in use by Ray Train run" in str(refused)
         with pytest.raises(TrainingFailedError, match="is in use by Ray Train run"):
             trainlib.run_job(trainlib.train_fn, trainlib.job_config(tmp_path / "checkpointer"), str(storage.parent),
@@ -435,7 +461,8 @@ def test_failed_saves_escalate_in_survivor_mode_and_a_failed_final_save_is_made_
     record, storage = tmp_path / "rec", tmp_path / "storage"
     record.mkdir()
     faults = ";".join(f"fail_write:upload={step}:rank=0" for step in (10, 20, 30)) + ";fail_write:upload=60:rank=1"
-    result = fit_survivors({**SURVIVOR_JOB, "record_dir": str(record), "faults": faults}, storage, "saves", workers=2)
+    result = fit_survivors({**uninterrupted.job, "record_dir": str(record), "faults": faults}, storage, "saves",
+                           workers=2)
     assert result.error is None
     first_lead = records_of(record, kind="start", rank=0)[0]["pid"]
     steps_of_first_lead = [r["step"] for r in records_of(record, kind="step", pid=first_lead)]

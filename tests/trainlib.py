@@ -127,9 +127,9 @@ def kept_losses(record_dir: str) -> dict[int, float]:
     return {step: record["loss"] for step, (_, record) in _steps(record_dir, 0).items()}
 
 
-def build_model(seed: int) -> torch.nn.Module:
+def build_model(seed: int, features: int = FEATURES) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+    return torch.nn.Sequential(torch.nn.Linear(features, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
                                torch.nn.Linear(64, CLASSES))
 
 
@@ -394,9 +394,32 @@ def image_train_fn(config: dict[str, Any]) -> None:
                    os.path.join(config["record_dir"], "final_weights.pt"))
 
 
+SURVIVOR_IMAGE_SIDE = 4  # survivor_fn's images, flattened: 3 x 4 x 4 features
+
+
+def survivor_volume_loader(config: dict[str, Any]) -> Any:
+    """The loader of ``config["volume"]`` (an S3 volume: uri, endpoint, access_key, secret_key,
+    and optionally cache_dir) for :func:`survivor_fn`: ``loader_workers`` DataLoader workers (0:
+    in the replica's process), the training augmentation at :data:`SURVIVOR_IMAGE_SIDE` pixels,
+    metrics to ``data_logger`` every 5 steps."""
+    from ray_resilient.data import StreamingConfig, Volume, VolumeDataLoader, VolumeImageDataset, default_transform
+
+    spec = config["volume"]
+    volume = Volume(spec["uri"], endpoint=spec["endpoint"], access_key=spec["access_key"],
+                    secret_key=spec["secret_key"])
+    ctx = ray.train.get_context()
+    dataset = VolumeImageDataset(volume, global_batch=config["global_batch"], rank=ctx.get_world_rank(),
+                                 world_size=ctx.get_world_size(), seed=config["seed"],
+                                 transform=default_transform(SURVIVOR_IMAGE_SIDE),
+                                 streaming=StreamingConfig(spec.get("cache_dir")))
+    return VolumeDataLoader(dataset, num_workers=config.get("loader_workers", 0),
+                            metrics_logger=config.get("data_logger"), log_every=5)
+
+
 def survivor_fn(config: dict[str, Any]) -> None:
     """Train in survivor mode (the experiment kit's loop, :func:`ray_resilient.testing.train_replica`):
-    ``micro_batches`` parts of each global batch of ``SyntheticBatches``, SGD with a scheduler.
+    ``micro_batches`` parts of each global batch of ``SyntheticBatches``, or with ``volume`` of the
+    volume's images (:func:`survivor_volume_loader`), SGD with a scheduler.
 
     Each process records into ``record_dir`` (:func:`ray_resilient.testing.read_records`): ``start``,
     ``joined`` (the step it joined at and the sha of its state then), and every committed step
@@ -408,17 +431,22 @@ def survivor_fn(config: dict[str, Any]) -> None:
     record = Recorder(config["record_dir"], ray.train.get_context().get_world_rank())
     record(RecordKind.START)
     seed = config["seed"]
-    model = build_model(seed)  # its BatchNorm's statistics: merged over each step's micro-batches
+    if config.get("volume"):
+        data = survivor_volume_loader(config)
+        features, per_epoch = 3 * SURVIVOR_IMAGE_SIDE ** 2, data.volume_dataset.batches_per_epoch(0)
+    else:
+        data = SyntheticBatches(config["samples"], config["global_batch"], seed, 0, 1)
+        features, per_epoch = FEATURES, data.batches_per_epoch
+    model = build_model(seed, features)  # its BatchNorm's statistics: merged over each step's micro-batches
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
-    data = SyntheticBatches(config["samples"], config["global_batch"], seed, 0, 1)
 
     def wait(step: int) -> None:
         for rule in config.get("wait_at", ()):
             if step == rule["step"]:
                 wait_until(lambda: os.path.exists(rule["until"]), timeout=600, what=f"{rule['until']} to exist")
 
-    lead = train_replica(model, optimizer, data, record, max_steps=data.batches_per_epoch * config["epochs"],
+    lead = train_replica(model, optimizer, data, record, max_steps=per_epoch * config["epochs"],
                          step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait,
                          lr_scheduler=scheduler, micro_batches=config["micro_batches"], seed=seed,
                          checkpoint_interval=config.get("interval"), mtbf_s=config.get("mtbf_s"),

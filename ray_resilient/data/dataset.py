@@ -18,6 +18,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from torchvision.io import ImageReadMode, decode_image
@@ -39,12 +40,13 @@ class CorruptSampleError(VolumeError):
 
 
 class Batch(NamedTuple):
-    """One rank's share of a global batch."""
+    """One rank's share of a global batch (in survivor mode: one micro-batch of it)."""
 
     images: torch.Tensor  # [N, C, H, W], as the transform leaves them
     labels: torch.Tensor  # [N] class indices (ImageFolder), -1 without labels
     sample_ids: torch.Tensor  # [N] indices into the volume's file list
     global_batch: int  # the global batch number within its epoch
+    micro_batch: int = 0  # survivor mode's micro-batch of the global batch
 
 
 class WorkerBatch(NamedTuple):
@@ -140,9 +142,10 @@ class StreamingVolumeDataset(IterableDataset):
         FileCache(self.cache_dir, streaming.cache_limit)  # fail now on an unwritable directory, and clean up a crash
         self.skip_corrupt = skip_corrupt
         self.transform = transform if transform is not None else v2.ToDtype(torch.float32, scale=True)
-        # (epoch, first batch) of the next iteration, set by the loader in the main process and
-        # read by the workers, which (persistent or not) start from it.
-        self._start = multiprocessing.get_context().RawArray("q", 2)
+        # (epoch, first batch) of the next iteration and, in survivor mode, (replica, live
+        # replicas, micro-batches): set by the loader in the main process and read by the workers,
+        # which (persistent or not) start from them. 0 live replicas: the rank's share.
+        self._start = multiprocessing.get_context().RawArray("q", 5)
         # Samples read, a slot per worker process (one writer each: exact without a lock, which
         # spawned workers could not share).
         self._samples_read = multiprocessing.get_context().RawArray("q", READ_COUNTER_SLOTS)
@@ -167,15 +170,22 @@ class StreamingVolumeDataset(IterableDataset):
         this dataset: the hang watchdog's progress while the training loop waits for a batch."""
         return sum(self._samples_read)
 
-    def set_start(self, epoch: int, batch: int) -> None:
-        """Where the next iteration starts: the rank's batch ``batch`` of ``epoch``."""
-        self._start[0], self._start[1] = epoch, batch
+    def set_start(self, epoch: int, batch: int, micro_batches: tuple[int, int, int] | None = None) -> None:
+        """Where the next iteration starts: the rank's batch ``batch`` of ``epoch``; in survivor
+        mode (``micro_batches``: this replica's rank, the live replicas, micro-batches per global
+        batch), this replica's micro-batches of each global batch from ``batch`` on."""
+        self._start[:] = [epoch, batch, *(micro_batches or (0, 0, 0))]
 
     def _worker(self) -> tuple[int, int, int, int]:
         """(worker id, workers, start epoch, start batch) in the current process."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return worker, workers, int(self._start[0]), int(self._start[1])
+
+    def _micro_batches(self) -> tuple[int, int, int] | None:
+        """(replica, live replicas, micro-batches) in survivor mode, else None."""
+        rank, members, micro_batches = (int(v) for v in self._start[2:])
+        return (rank, members, micro_batches) if members else None
 
     def _get_prefetcher(self) -> Prefetcher:
         if self._prefetcher is None:  # one per process, kept across epochs (persistent workers)
@@ -215,8 +225,9 @@ class StreamingVolumeDataset(IterableDataset):
             torch.default_generator.manual_seed(seed)
             return self.transform(image)
 
-    def _worker_batch(self, samples: list[tuple[int, torch.Tensor | None, int]], number: int) -> WorkerBatch:
-        """A batch from (sample id, image or None if skipped, label) triples."""
+    def _worker_batch(self, samples: list[tuple[int, torch.Tensor | None, int]], number: int,
+                      part: int = 0) -> WorkerBatch:
+        """A batch (micro-batch ``part``) from (sample id, image or None if skipped, label) triples."""
         kept = [(i, image, label) for i, image, label in samples if image is not None]
         batch = Batch(
             # default_collate stacks straight into shared memory in a DataLoader worker: a plain
@@ -225,6 +236,7 @@ class StreamingVolumeDataset(IterableDataset):
             torch.tensor([label for _, _, label in kept], dtype=torch.long),
             torch.tensor([i for i, _, _ in kept], dtype=torch.long),
             number,
+            part,
         )
         return WorkerBatch(batch, self._cache_delta(), len(samples) - len(kept))
 
@@ -276,19 +288,29 @@ class VolumeImageDataset(StreamingVolumeDataset):
 
     def __iter__(self) -> Iterator[WorkerBatch]:
         worker, workers, epoch, start = self._worker()
-        batches = self.plan.worker_batches(epoch, self.rank, worker, workers, start)
         prefetcher = self._get_prefetcher()
         prefetcher.restart(self._sample_stream(epoch, worker, workers, start))
-        for number, indices in batches:
+        for number, part, indices in self._worker_items(epoch, worker, workers, start):
             samples = []
             for sample in indices.tolist():
                 file = self.volume.files[sample]
                 data = prefetcher.read(sample, read_bytes)
                 samples.append((sample, self._sample(data, file.path, epoch, sample), file.label))
-            yield self._worker_batch(samples, number)
+            yield self._worker_batch(samples, number, part)
+
+    def _worker_items(self, epoch: int, worker: int, workers: int, start: int) -> list[tuple[int, int, np.ndarray]]:
+        """(global batch, micro-batch, sample indices) this worker serves of ``epoch`` from batch
+        ``start``: the rank's share of each global batch, or in survivor mode the replica's
+        micro-batches; the loader takes its workers' items round-robin."""
+        micro_batches = self._micro_batches()
+        if micro_batches is None:
+            return [(number, 0, indices)
+                    for number, indices in self.plan.worker_batches(epoch, self.rank, worker, workers, start)]
+        rank, members, parts = micro_batches
+        return self.plan.micro_batch_items(epoch, parts, rank, members, start)[worker::max(workers, 1)]
 
     def _sample_stream(self, epoch: int, worker: int, workers: int, start: int) -> Iterator[int]:
         """This worker's samples in plan order, from (epoch, start) on into the following epochs."""
         for e in itertools.count(epoch):
-            for _number, indices in self.plan.worker_batches(e, self.rank, worker, workers, start if e == epoch else 0):
+            for _number, _part, indices in self._worker_items(e, worker, workers, start if e == epoch else 0):
                 yield from indices.tolist()

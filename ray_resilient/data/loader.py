@@ -5,6 +5,11 @@ prefetched: a batch counts once ``next()`` returned it. At an epoch's end the po
 (next epoch, 0). Because the plan's sequence of global batches does not depend on the number of
 ranks or workers, a position loads on a different world size (same global batch size) or a
 different ``num_workers`` and continues the same global sequence.
+
+In survivor mode (:class:`~ray_resilient.survivors.SurvivingReplicas` with ``data=`` the loader)
+a replica reads micro-batches instead (:meth:`VolumeDataLoader.micro_batch`): the ones the
+membership gives it, through the same workers, cache and prefetching; a step counts as received
+once its last micro-batch of this replica was.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ray_resilient.data.cache import CacheStats
-from ray_resilient.data.dataset import Batch, StreamingVolumeDataset
+from ray_resilient.data.dataset import Batch, StreamingVolumeDataset, VolumeImageDataset, WorkerBatch
 from ray_resilient.tracking import MetricsLogger, resolve_metrics_logger
 
 logger = logging.getLogger(__name__)
@@ -105,6 +110,10 @@ class VolumeDataLoader(DataLoader):
         self.metrics_logger = resolve_metrics_logger(metrics_logger, prefix="data/", name="data",
                                                      enabled=dataset.rank == 0)
         self.log_every = log_every
+        # Survivor mode: (replica, live replicas, micro-batches), and its stream of (step, item).
+        self._assignment: tuple[int, int, int] | None = None
+        self._micro_stream: Iterator[tuple[int, WorkerBatch]] | None = None
+        self._due: tuple[int, int] | None = None  # the (step, micro-batch) the stream gives next
 
     @property
     def volume_dataset(self) -> StreamingVolumeDataset:
@@ -155,7 +164,74 @@ class VolumeDataLoader(DataLoader):
             self._record(waited, item.cache, item.skipped)
             yield item.batch
 
-    def _record(self, waited: float, cache: CacheStats, skipped: int) -> None:
+    # --- survivor mode -------------------------------------------------------------------------
+
+    def assign_micro_batches(self, step: int, rank: int, members: int, micro_batches: int) -> None:
+        """From global step ``step`` on (global batches counted over epochs), read micro-batches
+        ``rank, rank + members, ...`` of ``micro_batches`` of each global batch: the replica of
+        rank ``rank`` among ``members`` live ones. The assignment the stream follows already, at
+        the start of ``step``, changes nothing; any other (a re-formed membership, a dropped step
+        trained again, a restore) starts the workers' streams again at ``step``."""
+        dataset = self.volume_dataset
+        if not isinstance(dataset, VolumeImageDataset):
+            raise TypeError(f"survivor mode reads micro-batches of a VolumeImageDataset, not of a "
+                            f"{type(dataset).__name__}")
+        assignment = (rank, members, micro_batches)
+        if assignment == self._assignment and self._due == (step, rank):
+            return
+        dataset.plan.check_micro_batches(micro_batches, rank, members)
+        self.epoch, self.batch = self._position_of(step)
+        self._assignment, self._due = assignment, (step, rank)
+        self._micro_stream = self._micro_batches(self.epoch, self.batch, assignment)
+
+    def micro_batch(self, step: int, part: int) -> Batch:
+        """Micro-batch ``part`` of global step ``step``: the next of the stream
+        :meth:`assign_micro_batches` set (a ``RuntimeError`` names the one due instead). The
+        caller's torch RNG is left as it was."""
+        if self._micro_stream is None or self._due != (step, part):
+            raise RuntimeError(f"micro-batch {part} of step {step} was asked for where {self._due} is due: "
+                               "assign_micro_batches(step, ...) first, then ask for its micro-batches in order")
+        started = time.monotonic()
+        # Starting an epoch's iteration draws the DataLoader's base seed from torch's global RNG:
+        # survivor mode's loss_of runs on a stream of its own (seed, step, micro-batch), which
+        # would then depend on which micro-batch of this replica came first in the epoch.
+        with torch.random.fork_rng(devices=[]):
+            item_step, item = next(self._micro_stream)
+        waited = time.monotonic() - started
+        if (item_step, item.batch.micro_batch) != (step, part):
+            raise RuntimeError(f"micro-batch {item.batch.micro_batch} of step {item_step} arrived where "
+                               f"{part} of {step} was due")
+        rank, members, micro_batches = self._assignment
+        last = part + members >= micro_batches
+        self._due = (step + 1, rank) if last else (step, part + members)
+        if last:
+            self.batch += 1
+            if self.batch == self.volume_dataset.batches_per_epoch(self.epoch):
+                self.epoch, self.batch = self.epoch + 1, 0
+        self._record(waited, item.cache, item.skipped, advanced=last)
+        return item.batch
+
+    def _micro_batches(self, epoch: int, batch: int, assignment: tuple[int, int, int]
+                       ) -> Iterator[tuple[int, WorkerBatch]]:
+        """(global step, item) of the replica's micro-batches from ``batch`` of ``epoch`` on, epoch after epoch."""
+        dataset = self.volume_dataset
+        while True:
+            dataset.set_start(epoch, batch, assignment)
+            before = sum(dataset.batches_per_epoch(e) for e in range(epoch))
+            for item in super().__iter__():
+                yield before + item.batch.global_batch, item
+            epoch, batch = epoch + 1, 0
+
+    def _position_of(self, step: int) -> tuple[int, int]:
+        """(epoch, batch) of global step ``step``."""
+        epoch = 0
+        while step >= (per_epoch := self.volume_dataset.batches_per_epoch(epoch)):
+            epoch, step = epoch + 1, step - per_epoch
+        return epoch, step
+
+    def _record(self, waited: float, cache: CacheStats, skipped: int, advanced: bool = True) -> None:
+        """Count a batch (or micro-batch) received; log when it ``advanced`` the position to a
+        multiple of ``log_every``."""
         m = self.metrics
         m.batches += 1
         m.fetch_seconds += waited
@@ -165,7 +241,7 @@ class VolumeDataLoader(DataLoader):
         m.cache.misses += cache.misses
         m.cache.bytes_downloaded += cache.bytes_downloaded
         m.cache.download_seconds += cache.download_seconds
-        if self.metrics_logger is not None:
+        if self.metrics_logger is not None and advanced:
             step = self.global_batches
             if step % self.log_every == 0:
                 self.metrics_logger(m.as_dict(), step)

@@ -7,6 +7,11 @@ permutation's slice ``[b * B, (b + 1) * B)``; rank ``r`` of ``W`` takes its cont
 global batches does not depend on ``W`` or ``K``, a position (epoch, global batches consumed)
 continues the same global sequence on any number of ranks or workers with the same ``B``.
 
+In survivor mode a global batch is cut into ``M`` micro-batches instead, micro-batch ``m`` its
+contiguous slice ``[m * B / M, (m + 1) * B / M)``, and the replica of rank ``r`` among ``n`` live
+ones reads micro-batches ``r, r + n, ...`` of each: which replica reads a micro-batch changes with
+the membership, its samples never do.
+
 Every rank gets the same number of batches per epoch by construction: the tail of the
 permutation that does not fill a global batch is dropped (``drop_last=True``, the default), or
 the last batch is padded by repeating the epoch's first samples (``drop_last=False``).
@@ -102,6 +107,25 @@ class SamplePlan:
         """(global batch number, sample indices) that DataLoader worker ``worker`` serves, in order."""
         batches = self.rank_batches(epoch, rank, start_batch)
         return [(start_batch + i, b) for i, b in enumerate(batches) if i % max(num_workers, 1) == worker]
+
+    def micro_batch_items(self, epoch: int, micro_batches: int, rank: int, members: int,
+                          start_batch: int = 0) -> list[tuple[int, int, np.ndarray]]:
+        """(global batch number, micro-batch, sample indices) of the micro-batches ``rank, rank +
+        members, ...`` of ``micro_batches`` of each global batch from ``start_batch`` to the epoch's end."""
+        self.check_micro_batches(micro_batches, rank, members)
+        size = self.global_batch // micro_batches
+        order = self.permutation(epoch).reshape(self.batches_per_epoch, self.global_batch)
+        return [(batch, part, order[batch, part * size:(part + 1) * size])
+                for batch in range(start_batch, self.batches_per_epoch) for part in range(rank, micro_batches, members)]
+
+    def check_micro_batches(self, micro_batches: int, rank: int, members: int) -> None:
+        """Fail clearly when replica ``rank`` of ``members`` cannot share ``micro_batches`` equal micro-batches."""
+        if micro_batches < 1 or self.global_batch % micro_batches:
+            raise ValueError(f"global batch size {self.global_batch} is not divisible into {micro_batches} "
+                             "micro-batches: every micro-batch must have the same number of samples")
+        if not 0 <= rank < members <= micro_batches:
+            raise ValueError(f"replica {rank} of {members} cannot share {micro_batches} micro-batches: "
+                             "each of 1 to micro_batches live replicas needs at least one")
 
     def check_workers(self, num_workers: int) -> None:
         """Fail clearly when a DataLoader worker would get no batch in an epoch."""

@@ -15,6 +15,10 @@ replica receives the others' rows, ``(members - 1) / members x micro_batches`` g
 DDP's ring all-reduce moves ``2 (members - 1) / members``: the same traffic at ``micro_batches``
 = 2, and not overlapped with the backward pass.
 
+With ``data`` (a :class:`~ray_resilient.data.VolumeDataLoader`), each step tells the replica's
+loader which micro-batches the membership gives it, and it reads them from the volume through its
+workers, cache and prefetching; the data position goes into the lead's checkpoints.
+
 A step commits on a replica when its all-gather succeeded there. A replica that dies breaks the
 gloo connections of that all-gather at once; the others drop the step, ask the
 :class:`~ray_resilient.survivors.coordinator.MembershipCoordinator` for the next membership and
@@ -43,7 +47,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import ray
 import ray.train
@@ -73,6 +77,18 @@ from ray_resilient.tracking import MetricsLogger, resolve_metrics_logger
 logger = logging.getLogger(__name__)
 
 LossOf = Callable[[int, int], torch.Tensor]
+
+
+class MicroBatchSource(Protocol):
+    """Data that serves each replica the micro-batches the membership gives it (a
+    :class:`~ray_resilient.data.VolumeDataLoader`), with a position a checkpoint holds."""
+
+    def assign_micro_batches(self, step: int, rank: int, members: int, micro_batches: int) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
 MAX_REFORMS_WITHOUT_A_STEP = 10  # then the replica fails instead of re-forming again (no livelock)
 
@@ -92,12 +108,22 @@ class SurvivingReplicas:
 
     ``loss_of(step, k)`` returns the mean loss of micro-batch ``k`` of global batch ``step``
     (0-based, the step being trained). It runs with RNG streams derived from (seed, step, k), so
-    its randomness does not depend on which replica runs it.
+    its randomness does not depend on which replica runs it. With ``data``, a
+    :class:`~ray_resilient.data.VolumeDataLoader`, the replica's micro-batches come from the volume
+    through its workers, cache and prefetching: ``loss_of`` reads ``data.micro_batch(step, k)``::
+
+        loader = VolumeDataLoader(VolumeImageDataset(volume, global_batch=96, rank=rank, world_size=world, seed=seed))
+        with SurvivingReplicas(model, optimizer, micro_batches=3, data=loader, checkpoint_interval=100) as replicas:
+            while replicas.step < total_steps:
+                replicas.train_step(lambda step, k: loss_fn(model, loader.micro_batch(step, k)))
 
     Args:
         model, optimizer, lr_scheduler: the replica's (not wrapped in DDP: gradients, and the
             buffers the forward pass changes, are reduced here).
         micro_batches: micro-batches per global batch (the replicas at start, or a multiple).
+        data: the volume's loader: each step it is given the micro-batches this replica computes
+            under the current membership (:meth:`~ray_resilient.data.VolumeDataLoader.assign_micro_batches`),
+            and its position goes into the lead's checkpoints.
         seed: the run's seed (RNG streams per micro-batch are derived from it).
         checkpoint_interval, mtbf_s: when the lead saves (a
             :class:`~ray_resilient.checkpoint.save_policy.SavePolicy`, as ``Checkpointer``'s
@@ -120,7 +146,8 @@ class SurvivingReplicas:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
-                 micro_batches: int, seed: int = 0, checkpoint_interval: int | Literal["auto"] | None = None,
+                 micro_batches: int, data: MicroBatchSource | None = None, seed: int = 0,
+                 checkpoint_interval: int | Literal["auto"] | None = None,
                  mtbf_s: float | None = None, faults: str = "", timeout_s: float = 30.0,
                  max_failed_saves_in_a_row: int = 3, save_timeout_s: float = 600.0, lease_ttl_s: float = TTL_S,
                  goodput_logger: MetricsLogger | str | None = "mlflow",
@@ -141,7 +168,8 @@ class SurvivingReplicas:
         self._buffers = [b for b in model.buffers()]
         self._buffer_sizes = [b.numel() for b in self._buffers]
         self._row = sum(self._sizes) + sum(self._buffer_sizes) + 1  # the gradient, the buffers' change, the loss
-        self._components = TrainingComponents(model, optimizer, lr_scheduler)
+        self._data = data
+        self._components = TrainingComponents(model, optimizer, lr_scheduler, data=data)
         ctx = ray.train.get_context()
         self.replica = ctx.get_world_rank()
         self._replicas = ctx.get_world_size()
@@ -272,6 +300,8 @@ class SurvivingReplicas:
         slots = -(-self.micro_batches // size)
         mine = torch.zeros(slots * self._row + 2)
         self.last_parts = tuple(range(rank, self.micro_batches, size))
+        if self._data is not None:
+            self._data.assign_micro_batches(self.step, rank, size, self.micro_batches)
         with torch.no_grad():
             start = [buffer.clone() for buffer in self._buffers]
         for slot, k in enumerate(self.last_parts):

@@ -186,23 +186,32 @@ def train_survivors(config: dict[str, Any]) -> None:
 def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, max_steps: int, step_seconds: float,
                   digest: bool = False, after_step: Callable[[int], None] | None = None, **options: Any) -> bool:
     """The survivor-mode loop: ``SurvivingReplicas(model, optimizer, **options)`` trains global
-    batches of ``data`` (a :class:`SyntheticBatches` of the whole batch) until ``max_steps``.
+    batches of ``data`` until ``max_steps``: a :class:`SyntheticBatches` of the whole batch, or a
+    :class:`~ray_resilient.data.VolumeDataLoader` (its images flattened), which survivor mode
+    then gives each replica its micro-batches.
 
     A micro-batch is ``step_seconds`` of emulated compute, then the loss of the model on its
     samples with a little input noise: drawn from the stream survivor mode derives per
     micro-batch, so a replica that drew from any other stream shows in the weights. Records
     JOINED, every committed STEP (with the state's ``sha`` when ``digest``: bitwise comparisons
-    across replicas) and FINISHED; ``after_step(step)`` runs after each. Returns whether this
-    process ended as the lead (which saved the final checkpoint).
+    across replicas; the sample ids of its micro-batches as the data gave them) and FINISHED;
+    ``after_step(step)`` runs after each. Returns whether this process ended as the lead (which
+    saved the final checkpoint).
     """
     import torch
 
     from ray_resilient.survivors import SurvivingReplicas
 
     computed: dict[int, list[int]] = {}  # part -> sample ids, of the step being trained
+    volume = hasattr(data, "assign_micro_batches")  # a VolumeDataLoader (not imported: torchvision)
+    per_epoch = data.volume_dataset.batches_per_epoch(0) if volume else data.batches_per_epoch
 
     def loss_of(step: int, part: int) -> torch.Tensor:
-        ids, x, y = data.micro_batch(step, part, replicas.micro_batches)
+        if volume:
+            batch = data.micro_batch(step, part)
+            ids, x, y = batch.sample_ids, batch.images.flatten(1), batch.labels
+        else:
+            ids, x, y = data.micro_batch(step, part, replicas.micro_batches)
         computed[part] = ids.tolist()
         time.sleep(step_seconds)  # the accelerator's compute
         return torch.nn.functional.cross_entropy(model(x + NOISE * torch.randn_like(x)), y)
@@ -210,12 +219,12 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
     def sha() -> dict[str, str]:
         return {"sha": state_digest(model, optimizer)} if digest else {}
 
-    with SurvivingReplicas(model, optimizer, **options) as replicas:
+    with SurvivingReplicas(model, optimizer, data=data if volume else None, **options) as replicas:
         record(RecordKind.JOINED, step=replicas.step, finished=replicas.finished, **sha())
         while replicas.step < max_steps:
             computed.clear()
             loss = replicas.train_step(loss_of)
-            record(RecordKind.STEP, step=replicas.step, epoch=(replicas.step - 1) // data.batches_per_epoch,
+            record(RecordKind.STEP, step=replicas.step, epoch=(replicas.step - 1) // per_epoch,
                    members=list(replicas.members), parts={k: computed[k] for k in replicas.last_parts}, loss=loss,
                    **sha())
             if after_step is not None:
