@@ -3,9 +3,11 @@
 Async sharded checkpoints reported to Ray, automatic resume (from the newest complete checkpoint,
 data position and RNG included), elastic workers, a streaming and caching volume dataset, MLflow
 metrics (loss, accuracy, fetch_seconds, goodput), a validation pass per epoch, and the final model
-exported in a form plain PyTorch loads.
+exported in a form plain PyTorch loads. With --survivors, survivor mode: a lost worker costs the
+others about a step (``ray_resilient.survivors``), the same model, data, checkpoints and reports.
 
     python jobs/train_images.py                          # the embedded default, on a local Ray
+    python jobs/train_images.py --survivors              # the same in survivor mode
     ray job submit --working-dir . -- python jobs/train_images.py \\
         --volume s3://bucket/shapes --storage-path s3://bucket/runs --min-workers 2 --max-workers 8
 
@@ -23,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -45,6 +48,7 @@ from ray_resilient.data import (
 )
 from ray_resilient.goodput import parse_duration
 from ray_resilient.storage import RunStorage
+from ray_resilient.survivors import SurvivingReplicas
 from ray_resilient.tracking import (BackgroundMetrics, MlflowMetrics, current_run_name, default_tracking_uri,
                                     log_artifact)
 
@@ -68,9 +72,11 @@ def parallelize(model: torch.nn.Module, parallelism: str) -> torch.nn.Module:
     return fully_shard(model)
 
 
-def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int, ckpt: Checkpointer) -> float:
+def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int,
+             progress: Callable[[str], None]) -> float:
     """Top-1 accuracy over every image of ``volume`` (on rank 0 alone with DDP, on every rank with
-    FSDP2), telling ``ckpt``'s hang watchdog at every batch that this rank is getting on."""
+    FSDP2, on the lead replica in survivor mode), calling ``progress`` at every batch (a
+    ``Checkpointer``'s: its hang watchdog then knows this rank is getting on)."""
     dataset = VolumeImageDataset(volume, global_batch=batch, drop_last=False, seed=0,
                                  transform=eval_transform(image_size))
     loader = VolumeDataLoader(dataset, num_workers=0, metrics_logger=None)
@@ -78,7 +84,7 @@ def evaluate(model: torch.nn.Module, volume: Volume, image_size: int, batch: int
     model.eval()
     with torch.no_grad():
         for item in loader:
-            ckpt.progress("validation")
+            progress("validation")
             predicted = model(item.images.to(get_device())).argmax(1).cpu()
             for sample, right in zip(item.sample_ids.tolist(), (predicted == item.labels).tolist()):
                 if sample not in seen:  # the last batch is padded with repeats
@@ -104,23 +110,44 @@ def export_model(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) ->
     return path
 
 
-def train_fn(config: dict[str, Any]) -> None:
+def train_loader(config: dict[str, Any]) -> VolumeDataLoader:
+    """This worker's loader of the training split (its rank's share, or in survivor mode its micro-batches)."""
     context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    train_volume, val_volume = Volume(f"{config['volume']}/train"), Volume(f"{config['volume']}/val")
-    dataset = VolumeImageDataset(train_volume, global_batch=config["global_batch"], rank=rank, world_size=world,
+    dataset = VolumeImageDataset(Volume(f"{config['volume']}/train"), global_batch=config["global_batch"],
+                                 rank=context.get_world_rank(), world_size=context.get_world_size(),
                                  seed=config["seed"], transform=default_transform(config["image_size"]),
                                  streaming=StreamingConfig(config["cache_dir"], config["cache_limit"]))
-    loader = VolumeDataLoader(dataset, num_workers=config["loader_workers"], log_every=config["log_every"])
+    return VolumeDataLoader(dataset, num_workers=config["loader_workers"], log_every=config["log_every"])
+
+
+def optimizer_and_schedule(model: torch.nn.Module, config: dict[str, Any], total_steps: int) -> tuple[Any, Any]:
+    """SGD with momentum and weight decay, on a one-cycle schedule over ``total_steps``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9, weight_decay=5e-4)
+    return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config["lr"], total_steps=total_steps)
+
+
+def job_metrics() -> BackgroundMetrics:
+    """The job's MLflow metrics, from a background thread: an MLflow outage never blocks or fails the
+    loop (ray_resilient.tracking)."""
+    run_name = current_run_name()
+    return BackgroundMetrics(lambda: MlflowMetrics(run_name), "job")
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    if config["survivors"]:
+        train_survivors(config)
+        return
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    val_volume = Volume(f"{config['volume']}/val")
+    loader = train_loader(config)
+    dataset = loader.volume_dataset
     torch.manual_seed(config["seed"])
     model = parallelize(build_model(config["model"], len(config["class_names"])), config["parallelism"])
     device = get_device()
-    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9, weight_decay=5e-4)
     total_steps = config["epochs"] * dataset.batches_per_epoch(0)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config["lr"], total_steps=total_steps)
-    # From a background thread: an MLflow outage never blocks or fails the loop (ray_resilient.tracking).
-    run_name = current_run_name()
-    metrics_log = BackgroundMetrics(lambda: MlflowMetrics(run_name), "job") if rank == 0 else None
+    optimizer, scheduler = optimizer_and_schedule(model, config, total_steps)
+    metrics_log = job_metrics() if rank == 0 else None
     metrics: dict[str, float] = {}
     with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
                       interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
@@ -155,7 +182,7 @@ def train_fn(config: dict[str, Any]) -> None:
                           f"restarts {restarts}", flush=True)
             if seen and (rank == 0 or config["parallelism"] == "fsdp"):  # FSDP2: every rank takes part
                 metrics["val_accuracy"] = evaluate(model.module if hasattr(model, "module") else model, val_volume,
-                                                   config["image_size"], config["global_batch"], ckpt)
+                                                   config["image_size"], config["global_batch"], ckpt.progress)
                 if metrics_log is not None:
                     metrics_log({"val_accuracy": metrics["val_accuracy"]}, ckpt.train_state.step)
                     print(f"epoch {epoch} done: val accuracy {metrics['val_accuracy']:.3f}", flush=True)
@@ -165,6 +192,56 @@ def train_fn(config: dict[str, Any]) -> None:
     # The whole model on rank 0 (FSDP2 gathers its shards: every rank calls this).
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
+        print(f"exported the final model to {export_model(weights, config)}", flush=True)
+
+
+def train_survivors(config: dict[str, Any]) -> None:
+    """Survivor mode: every worker a whole replica (not wrapped in DDP), each global batch cut into
+    ``micro_batches`` read from the volume by whichever replicas the membership gives them; the
+    lead saves the checkpoints, validates after each epoch and exports the final model."""
+    context = ray.train.get_context()
+    world = context.get_world_size()
+    val_volume = Volume(f"{config['volume']}/val")
+    loader = train_loader(config)
+    torch.manual_seed(config["seed"])
+    device = get_device()
+    model = build_model(config["model"], len(config["class_names"])).to(device)
+    per_epoch = loader.volume_dataset.batches_per_epoch(0)
+    total_steps = config["epochs"] * per_epoch
+    optimizer, scheduler = optimizer_and_schedule(model, config, total_steps)
+    metrics_log = job_metrics()
+
+    def loss_of(step: int, part: int) -> torch.Tensor:
+        batch = loader.micro_batch(step, part)
+        logits = model(batch.images.to(device, non_blocking=True))
+        return torch.nn.functional.cross_entropy(logits, batch.labels.to(device, non_blocking=True))
+
+    with SurvivingReplicas(model, optimizer, lr_scheduler=scheduler, micro_batches=config["micro_batches"],
+                           data=loader, seed=config["seed"], checkpoint_interval=config["interval"],
+                           mtbf_s=config["mtbf_s"], faults=config["faults"],
+                           goodput_log_every=config["log_every"]) as replicas:
+        if replicas.is_lead:
+            print(f"[survivors] {replicas.world_size} of {world} replicas, {config['micro_batches']} micro-batches a "
+                  f"step, starting at step {replicas.step} of {total_steps}", flush=True)
+        started, first = time.monotonic(), replicas.step
+        while replicas.step < total_steps:
+            loss = replicas.train_step(loss_of)
+            step = replicas.step
+            replicas.result_metrics = {**replicas.result_metrics, "loss": loss}
+            if replicas.is_lead and step % config["log_every"] == 0:
+                throughput = (step - first) * config["global_batch"] / (time.monotonic() - started)
+                metrics_log({"loss": loss, "samples_per_second": throughput}, step)
+                print(f"step {step}/{total_steps} epoch {(step - 1) // per_epoch} | {throughput:.0f} samples/s | "
+                      f"loss {loss:.3f} | replicas {replicas.world_size}", flush=True)
+            if replicas.is_lead and step % per_epoch == 0:
+                accuracy = evaluate(model, val_volume, config["image_size"], config["global_batch"], lambda _: None)
+                replicas.result_metrics["val_accuracy"] = accuracy
+                metrics_log({"val_accuracy": accuracy}, step)
+                print(f"epoch {step // per_epoch - 1} done: val accuracy {accuracy:.3f}", flush=True)
+        lead = replicas.is_lead
+    metrics_log.flush(timeout=10)
+    if lead:
+        weights = {key: value.detach().cpu() for key, value in model.state_dict().items()}
         print(f"exported the final model to {export_model(weights, config)}", flush=True)
 
 
@@ -208,6 +285,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     run.add_argument("--parallelism", choices=("ddp", "fsdp"), default="ddp",
                      help="ddp: replicated model (DistributedDataParallel); fsdp: sharded model and optimizer "
                           "(FSDP2 fully_shard), each rank checkpoints only its shards (default: ddp)")
+    run.add_argument("--survivors", action="store_true",
+                     help="survivor mode: a lost worker costs the others about a step, not a restart; "
+                          "--max-workers replicas (DDP-style, no elastic sizes yet)")
+    run.add_argument("--micro-batches", type=int, default=None,
+                     help="survivor mode: micro-batches per global batch (default: --max-workers)")
     run.add_argument("--max-failures", type=int, default=3, help="worker-group restarts allowed (default: 3)")
     run.add_argument("--interval", default="20",
                      help='checkpoint every N steps, or "auto" for the optimum given --mtbf (default: 20)')
@@ -232,6 +314,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f'--interval must be a number of steps or "auto", got {args.interval!r}')
     if not 1 <= args.min_workers <= args.max_workers:
         parser.error(f"need 1 <= --min-workers <= --max-workers, got {args.min_workers} and {args.max_workers}")
+    if args.survivors and args.parallelism != "ddp":
+        parser.error("--survivors trains full replicas: it does not combine with --parallelism fsdp")
+    if args.micro_batches is not None and not args.survivors:
+        parser.error("--micro-batches is survivor mode's: add --survivors")
+    if args.survivors:
+        args.micro_batches = args.micro_batches or args.max_workers
+        if args.micro_batches < args.max_workers or args.global_batch % args.micro_batches:
+            parser.error(f"--micro-batches must be at least --max-workers ({args.max_workers}) and divide "
+                         f"--global-batch ({args.global_batch}), got {args.micro_batches}")
     return args
 
 
@@ -267,19 +358,21 @@ def main(argv: list[str] | None = None) -> None:
     connect_ray(args.ray_address, runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": tracking_uri}})
     volume = args.volume or generate_default_volume(os.path.abspath("data/shapes"), args.per_class, args.classes,
                                                     args.image_size, args.seed)
-    ray_config = recommended_ray_config(args.name, args.storage_path, workers=(args.min_workers, args.max_workers),
-                                        use_gpu=args.use_gpu, max_failures=args.max_failures,
-                                        num_to_keep=args.num_to_keep)
+    workers = args.max_workers if args.survivors else (args.min_workers, args.max_workers)
+    ray_config = recommended_ray_config(args.name, args.storage_path, workers=workers, use_gpu=args.use_gpu,
+                                        max_failures=args.max_failures, num_to_keep=args.num_to_keep,
+                                        survivors=args.survivors)
     # Class names from the driver: a ``.classes`` attribute inside a train function defined in
     # __main__ makes cloudpickle try to pickle the torch.classes module.
     config = {"volume": volume, "class_names": Volume(f"{volume}/train").classes, "cache_dir": args.cache_dir, "cache_limit": args.cache_limit,
               "loader_workers": args.loader_workers, "image_size": args.image_size, "model": args.model,
-              "parallelism": args.parallelism,
+              "parallelism": args.parallelism, "survivors": args.survivors, "micro_batches": args.micro_batches,
               "epochs": args.epochs, "global_batch": args.global_batch, "lr": args.lr, "seed": args.seed,
               "interval": "auto" if args.interval == "auto" else int(args.interval),
               "mtbf_s": parse_duration(args.mtbf), "faults": args.faults, "log_every": args.log_every}
-    print(f"Training {args.model} on {volume} with {args.min_workers}-{args.max_workers} workers; run "
-          f"{args.name!r} in {args.storage_path}", flush=True)
+    sizes = f"{args.max_workers} survivor-mode" if args.survivors else f"{args.min_workers}-{args.max_workers}"
+    print(f"Training {args.model} on {volume} with {sizes} workers; run {args.name!r} in {args.storage_path}",
+          flush=True)
     result = ray_config.fit(TorchTrainer(train_fn, train_loop_config=config, **ray_config.trainer_kwargs()))
     print_summary(result, config, f"{args.storage_path.rstrip('/')}/{args.name}", tracking_uri)
     metrics = result.metrics or {}

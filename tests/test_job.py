@@ -73,6 +73,23 @@ def test_quickstart_example_trains_and_resumes(image_dir, tmp_path, driver_env):
     assert list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "runs" / "quickstart"))[-1].step == 3 * (69 // 32)
 
 
+def test_the_image_jobs_survivor_options_are_checked_before_anything_starts(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_images", REPO / "jobs" / "train_images.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    assert job.parse_args(["--survivors", "--max-workers", "3", "--global-batch", "48"]).micro_batches == 3
+    assert job.parse_args(["--survivors", "--micro-batches", "4"]).micro_batches == 4
+    for arguments, named in ((["--survivors", "--parallelism", "fsdp"], "does not combine with --parallelism fsdp"),
+                             (["--micro-batches", "4"], "add --survivors"),
+                             (["--survivors", "--micro-batches", "3"], "divide --global-batch (64), got 3"),
+                             (["--survivors", "--max-workers", "4", "--micro-batches", "2"], "at least --max-workers")):
+        with pytest.raises(SystemExit) as exit:
+            job.parse_args(arguments)
+        assert exit.value.code == 2 and named in capsys.readouterr().err, arguments
+
+
 PROMISED_VAL_ACCURACY = 0.9  # the README: "above 90% validation accuracy"
 
 
@@ -140,11 +157,13 @@ def exported_model_accuracy(model_file: Path, val_dir: Path) -> float:
 
 
 @pytest.mark.slow
-def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(tmp_path, request):
+@pytest.mark.parametrize("mode", [[], ["--survivors"]], ids=["mainline", "survivors"])
+def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(mode, tmp_path, request):
     """The README's first command's job, exactly (its arguments and its kill), against the README's
     promise; then the same job uninterrupted: the kill must not change what the job learns, down to
-    the last bit of the ResNet's whole state (parameters and BatchNorm buffers)."""
-    arguments = demo_job_arguments()
+    the last bit of the ResNet's whole state (parameters and BatchNorm buffers). The same with
+    ``--survivors`` (the README's survivor-mode command): the kill costs the survivors no restart."""
+    arguments = demo_job_arguments() + mode
     assert "--faults" in arguments, "scripts/demo.sh no longer injects its kill"
     assert f"above {PROMISED_VAL_ACCURACY:.0%} validation accuracy" in " ".join((REPO / "README.md").read_text().split())
     # The uninterrupted job runs alongside (each on a Ray instance of its own, each with its own
@@ -158,9 +177,16 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(tmp_p
     log, killed = run_image_job(tmp_path / "killed", arguments)
     for fault in parse_faults(arguments[arguments.index("--faults") + 1]):
         assert f"Injecting fault {fault.marker}" in log
-    assert "[attempt 2]" in log
-    assert killed["val_accuracy"] >= PROMISED_VAL_ACCURACY and 0 < killed["goodput"] < 1
     run_dir = tmp_path / "killed" / "runs" / "train_images"
+    if mode:  # one worker group throughout: the survivors trained on, a replacement joined them
+        events = read_events(pafs.LocalFileSystem(), str(run_dir))
+        assert [e["step"] for e in events if e["kind"] == "restore"] == [0]
+        changes = [(e["lost"], e["joined"]) for e in events if e["kind"] == "membership"]
+        assert changes == [([1], []), ([], [1])], changes
+        assert log.count("[survivors] ") == 1 and "[attempt 2]" not in log
+    else:
+        assert "[attempt 2]" in log
+    assert killed["val_accuracy"] >= PROMISED_VAL_ACCURACY and 0 < killed["goodput"] < 1
     assert (run_dir / "goodput_timeline.png").stat().st_size > 10_000
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
     assert checkpoints[-1].complete and checkpoints[-1].step == killed["step"]

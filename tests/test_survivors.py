@@ -132,6 +132,9 @@ def test_the_lead_saves_at_dalys_interval_logs_live_goodput_and_registers_with_r
     assert uninterrupted.result.checkpoint.path == complete[-1].path
     assert [c.path for c, _ in uninterrupted.result.best_checkpoints] == [c.path for c in complete]
     assert uninterrupted.result.metrics["step"] == 60
+    # Reported with the final checkpoint: what the train function set, and the run's goodput.
+    last = max(records_of(uninterrupted.record, kind="step"), key=lambda r: r["step"])
+    assert uninterrupted.result.metrics["loss"] == last["loss"] and 0 < uninterrupted.result.metrics["goodput"] <= 1
 
 
 def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_uninterrupted_run(

@@ -133,8 +133,9 @@ def test_a_state_layout_carries_no_code_and_names_what_it_cannot_carry():
 
 
 def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_one_at_once():
-    """Real processes holding a :class:`LivenessLink`: one SIGSTOPped (its sockets stay open, no FIN
-    comes) is dropped after its silence, one SIGKILLed at once, and one alive keeps its link."""
+    """Real processes holding a :class:`LivenessLink`, each with a forked child (a DataLoader
+    worker's place): one SIGSTOPped (its sockets stay open, no FIN comes) is dropped after its
+    silence, one SIGKILLed at once (its child holds no copy of the link), and one alive keeps its link."""
     import asyncio
     import os
     import signal
@@ -155,10 +156,12 @@ def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_
 
         server = await asyncio.start_server(watch, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        # Each holds its link until its stdin closes (the test's end).
+        # Each holds its link, and its forked child lives on, until stdin closes (the test's end).
         holders = {name: subprocess.Popen([sys.executable, "-c", (
-            "import sys\nfrom ray_resilient.survivors.liveness import LivenessLink\n"
-            f"link = LivenessLink('127.0.0.1', {port}, '{name}', 'token')\nprint('up', flush=True)\nsys.stdin.read()")],
+            "import os, sys\nfrom ray_resilient.survivors.liveness import LivenessLink\n"
+            f"link = LivenessLink('127.0.0.1', {port}, '{name}', 'token')\n"
+            "if os.fork() == 0:\n    sys.stdin.read()\n    os._exit(0)\n"
+            "print('up', flush=True)\nsys.stdin.read()")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for name in ("stopped", "killed", "alive")}
         try:
             for holder in holders.values():

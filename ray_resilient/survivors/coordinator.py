@@ -111,6 +111,7 @@ class MembershipCoordinator:
         self._finished_step: int | None = None
         self._final_error: str | None = None  # the lead's final save failed
         self._final_registrations: list[int] = []  # the steps of the checkpoints every replica registers at the end
+        self._final_metrics: dict[str, Any] = {}  # reported with the last of them
 
     async def start(self) -> tuple[str, int, int]:
         """Start the store and the liveness server; their host, store port and liveness port."""
@@ -190,24 +191,26 @@ class MembershipCoordinator:
                 raise RuntimeError(f"replica {token} was dropped from membership {epoch}; it must restart")
             return self._current
 
-    async def finish(self, step: int, error: str | None, registrations: list[int]) -> None:
+    async def finish(self, step: int, error: str | None, registrations: list[int],
+                     metrics: dict[str, Any] | None = None) -> None:
         """The lead trained the last step and made its final checkpoint durable (or not: ``error``),
-        and every member registers the checkpoints of ``registrations`` with Ray: replacements
-        still starting have nothing to join."""
+        and every member registers the checkpoints of ``registrations`` with Ray, the last with
+        ``metrics``: replacements still starting have nothing to join."""
         async with self._changed:
             self._finished_step, self._final_error, self._final_registrations = step, error, registrations
+            self._final_metrics = dict(metrics or {})
             self._changed.notify_all()
 
-    async def wait_finished(self) -> tuple[str | None, list[int]]:
+    async def wait_finished(self) -> tuple[str | None, list[int], dict[str, Any]]:
         """A member past the last step waits for the lead's :meth:`finish`: its error, if any (also
-        when the lead is lost before it), and the steps of the checkpoints to register."""
+        when the lead is lost before it), the steps of the checkpoints to register and the final metrics."""
         async with self._changed:
             lead = self._current.lead
             token = self._tokens.get(lead)
             await self._changed.wait_for(lambda: self._finished_step is not None or token not in self._connected)
             if self._finished_step is None:
-                return f"the lead replica {lead} was lost before its final checkpoint was durable", []
-            return self._final_error, self._final_registrations
+                return f"the lead replica {lead} was lost before its final checkpoint was durable", [], {}
+            return self._final_error, self._final_registrations, self._final_metrics
 
     def _all_reported(self) -> bool:
         return all(token in self._reports or token not in self._connected for token in self._tokens.values())

@@ -143,6 +143,9 @@ class SurvivingReplicas:
             made again from memory; when it cannot be made durable, every replica raises.
         goodput_logger, goodput_log_every: where the lead logs the run's live goodput, as
             ``Checkpointer``'s (``"mlflow"``: the MLflow run of this Ray Train run).
+
+    :attr:`result_metrics`, set by the train function (the lead's count), are reported with the
+    final checkpoint, with the run's goodput (``Result.metrics``), as ``Checkpointer.finish``'s.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
@@ -163,6 +166,7 @@ class SurvivingReplicas:
         self.step = 0
         self.finished = False
         self.last_parts: tuple[int, ...] = ()  # the micro-batches this replica computed in the last step
+        self.result_metrics: dict[str, Any] = {}  # reported with the final checkpoint (the lead's)
         self._params = [p for p in model.parameters()]
         self._sizes = [p.numel() for p in self._params]
         self._buffers = [b for b in model.buffers()]
@@ -507,18 +511,19 @@ class SurvivingReplicas:
             except CheckpointSaveError as err:
                 ray.get(self._coordinator.finish.remote(self.step, str(err), []))
                 raise
+            metrics = {**self.result_metrics, **self._goodput.metrics()}
             self._goodput.finished(self.step)
             to_register = [step for step, _ in self._unregistered] if self.world_size == self._replicas else []
             if not to_register and self._unregistered:
                 logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: %d of %d "
                                "replicas were training at the end", self.step, self.world_size, self._replicas)
-            ray.get(self._coordinator.finish.remote(self.step, None, to_register))
+            ray.get(self._coordinator.finish.remote(self.step, None, to_register, metrics))
         else:
-            error, to_register = ray.get(self._coordinator.wait_finished.remote())
+            error, to_register, metrics = ray.get(self._coordinator.wait_finished.remote())
             if error is not None:
                 raise CheckpointSaveError(error)
         for step in to_register:
-            self._register(step)
+            self._register(step, metrics if step == to_register[-1] else None)
         self.finished = True
 
     def _final_save(self) -> None:
@@ -551,15 +556,15 @@ class SurvivingReplicas:
         self._goodput.save(self.step, started, ended)
         return ended - started
 
-    def _register(self, step: int) -> None:
+    def _register(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         """This replica's part of registering the lead's durable checkpoint of ``step`` with Ray
-        (every replica calls it at the same point)."""
+        (every replica calls it at the same point), reported with ``metrics``."""
         path = None
         if self.is_lead:
             offered, path = self._unregistered.popleft()
             assert offered == step, (offered, step)
         self._registered_step = step
-        self._registrations.submit({"step": step}, path)
+        self._registrations.submit({**(metrics or {}), "step": step}, path)
         if self._goodput is not None:
             self._goodput.registered(step)
 

@@ -224,6 +224,7 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
         while replicas.step < max_steps:
             computed.clear()
             loss = replicas.train_step(loss_of)
+            replicas.result_metrics = {"loss": loss}
             record(RecordKind.STEP, step=replicas.step, epoch=(replicas.step - 1) // per_epoch,
                    members=list(replicas.members), parts={k: computed[k] for k in replicas.last_parts}, loss=loss,
                    **sha())
