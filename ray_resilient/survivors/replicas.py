@@ -77,6 +77,8 @@ from ray_resilient.tracking import MetricsLogger, resolve_metrics_logger
 logger = logging.getLogger(__name__)
 
 LossOf = Callable[[int, int], torch.Tensor]
+LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
+MAX_REFORMS_WITHOUT_A_STEP = 10  # then the replica fails instead of re-forming again (no livelock)
 
 
 class MicroBatchSource(Protocol):
@@ -88,9 +90,6 @@ class MicroBatchSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
-MAX_REFORMS_WITHOUT_A_STEP = 10  # then the replica fails instead of re-forming again (no livelock)
 
 
 class ReplicaLostError(RuntimeError):
