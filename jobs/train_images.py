@@ -227,7 +227,7 @@ def train_survivors(config: dict[str, Any]) -> None:
         while replicas.step < total_steps:
             loss = replicas.train_step(loss_of)
             step = replicas.step
-            replicas.result_metrics = {**replicas.result_metrics, "loss": loss}
+            replicas.result_metrics["loss"] = loss
             if replicas.is_lead and step % config["log_every"] == 0:
                 throughput = (step - first) * config["global_batch"] / (time.monotonic() - started)
                 metrics_log({"loss": loss, "samples_per_second": throughput}, step)

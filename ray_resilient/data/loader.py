@@ -192,11 +192,7 @@ class VolumeDataLoader(DataLoader):
             raise RuntimeError(f"micro-batch {part} of step {step} was asked for where {self._due} is due: "
                                "assign_micro_batches(step, ...) first, then ask for its micro-batches in order")
         started = time.monotonic()
-        # Starting an epoch's iteration draws the DataLoader's base seed from torch's global RNG:
-        # survivor mode's loss_of runs on a stream of its own (seed, step, micro-batch), which
-        # would then depend on which micro-batch of this replica came first in the epoch.
-        with torch.random.fork_rng(devices=[]):
-            item_step, item = next(self._micro_stream)
+        item_step, item = next(self._micro_stream)
         waited = time.monotonic() - started
         if (item_step, item.batch.micro_batch) != (step, part):
             raise RuntimeError(f"micro-batch {item.batch.micro_batch} of step {item_step} arrived where "
@@ -218,7 +214,11 @@ class VolumeDataLoader(DataLoader):
         while True:
             dataset.set_start(epoch, batch, assignment)
             before = sum(dataset.batches_per_epoch(e) for e in range(epoch))
-            for item in super().__iter__():
+            # Starting an iteration draws the DataLoader's base seed from torch's global RNG, here
+            # inside survivor mode's loss_of, whose stream is its own (seed, step, micro-batch).
+            with torch.random.fork_rng(devices=[]):
+                items = super().__iter__()
+            for item in items:
                 yield before + item.batch.global_batch, item
             epoch, batch = epoch + 1, 0
 
