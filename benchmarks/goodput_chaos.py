@@ -54,7 +54,7 @@ Measurement
     step). The interval a run checkpointed at is the last gap between two consecutive saves of
     an attempt (the first save after a start and the final save excluded). The prediction is the
     planner's ``expected_goodput(interval_steps x step_s, save_stall, restart, mtbf=60)``.
-    Resampling, from the kit's records (every process records the sample ids of each step):
+    Resampling, from the kit's records (the sample ids of each step, or each micro-batch):
     ``kept_samples`` against ``planned_samples``; (epoch, sample id) pairs kept more often than
     an uninterrupted run has them are "trained twice", pairs it has and no kept step trained are
     "skipped"; ``naive_resampled`` is their sum. A step counts with the micro-batches of the

@@ -28,17 +28,18 @@ Setup
                shows (its heartbeats stop); Ray replaces it after its worker health-check timeout.
 
 Measurement (survivor mode)
-    Every process records each committed step (its time, the membership, the micro-batches it
-    computed with their sample ids). ``pause`` per kill (``survivor_pauses``) = on the slowest
-    survivor, the time from its commit of the killed step N to its commit of step N+1, minus the
-    median step (so a pause of 0 is a step that took no longer than usual). ``join`` = the same
-    for the step at which the replacement was taken in. ``recomputed_steps`` = steps dropped (the
-    ledger's ``step_discarded``, counted once per membership change: ``discarded_steps``).
-    Samples (``kept_samples`` against ``planned_samples``): a step counts with the micro-batches
-    of the membership that went on from it (the survivors, and the dead replica if it committed
-    the step before dying); a sample of the plan kept zero times is ``lost``, kept more than once
-    ``repeated``. ``hang_pause`` = the pause for the stopped replica, measured the same way.
-    ``registered_checkpoints`` = the lead's checkpoints Ray holds at the end
+    Every process records each micro-batch it computes (its sample ids) and each step it commits
+    (its time, the membership that trained it). ``pause`` per kill (``survivor_pauses``) = on the
+    slowest survivor, the time from its commit of the killed step N to its commit of step N+1,
+    minus the median step (so a pause of 0 is a step that took no longer than usual). ``join`` =
+    the same for the step at which the replacement was taken in. ``recomputed_steps`` = steps
+    dropped (the ledger's ``step_discarded``, counted once per membership change:
+    ``discarded_steps``). Samples (``kept_samples`` against ``planned_samples``): a step counts
+    once, with the micro-batches its membership computed for it (a replica killed right after the
+    step's exchange included), when that membership went on from it; a sample of the plan kept
+    zero times is ``lost``, kept more than once ``repeated``. ``hang_pause`` = the pause for the
+    stopped replica, measured the same way. ``registered_checkpoints`` = the lead's checkpoints
+    Ray holds at the end
     (``Result.best_checkpoints``; the run keeps them all).
 
 The last line::

@@ -250,6 +250,11 @@ RUN = ["--name", "e2e", "--epochs", "3", "--global-batch", "8", "--interval", "1
        "--faults", "kill:durable=10:rank=1", "--min-workers", "1", "--max-workers", "2"]
 
 
+# The same job in survivor mode, one epoch on the two 1-CPU nodes: rank 1 killed after step 5.
+SURVIVORS_RUN = ["--name", "e2e-survivors", "--survivors", "--epochs", "1", "--global-batch", "8", "--interval", "10",
+                 "--log-every", "5", "--faults", "kill:step=5:rank=1", "--max-workers", "2"]
+
+
 @pytest.fixture(scope="module")
 def local_cluster_run(tmp_path_factory):
     """`cluster/local.sh up` (a head and a worker node, 1 CPU each), `make-volume`, the printed
@@ -288,23 +293,28 @@ def local_cluster_run(tmp_path_factory):
         seen["example"] = example
         [command] = joined_lines(example.splitlines())
         words = shlex.split(command)
-        at = words.index("submit")
-        submission_id = f"e2e-{uuid.uuid4().hex[:8]}"
-        submit = [str(VENV_BIN / "ray"), *words[1:at + 1], "--submission-id", submission_id, *words[at + 1:], *RUN]
-        t = time.monotonic()
-        try:
-            job = subprocess.run(submit, env=job_env, cwd=REPO, capture_output=True, text=True, timeout=480)
-        except subprocess.TimeoutExpired:
-            subprocess.run([str(VENV_BIN / "ray"), "job", "stop", submission_id], env=job_env, timeout=60)
-            raise
-        seen["times"]["job"] = time.monotonic() - t
-        seen["submit"] = job
         ray_cli = [str(VENV_BIN / "ray"), "job"]
-        seen["job_status"] = subprocess.run([*ray_cli, "status", submission_id], env=job_env, capture_output=True,
-                                            text=True, timeout=60).stdout
-        seen["job_log"] = subprocess.run([*ray_cli, "logs", submission_id], env=job_env, capture_output=True,
-                                         text=True, timeout=60).stdout
+
+        def submit(name: str, run: list[str]) -> tuple[subprocess.CompletedProcess, str, str]:
+            """The printed example with ``run``'s options, submitted: its outcome, status and logs."""
+            at = words.index("submit")
+            submission_id = f"{name}-{uuid.uuid4().hex[:8]}"
+            t = time.monotonic()
+            try:
+                job = subprocess.run([str(VENV_BIN / "ray"), *words[1:at + 1], "--submission-id", submission_id,
+                                      *words[at + 1:], *run], env=job_env, cwd=REPO, capture_output=True, text=True,
+                                     timeout=480)
+            except subprocess.TimeoutExpired:
+                subprocess.run([*ray_cli, "stop", submission_id], env=job_env, timeout=60)
+                raise
+            seen["times"][name] = time.monotonic() - t
+            status, logs = (subprocess.run([*ray_cli, verb, submission_id], env=job_env, capture_output=True,
+                                           text=True, timeout=60).stdout for verb in ("status", "logs"))
+            return job, status, logs
+
+        seen["submit"], seen["job_status"], seen["job_log"] = submit("e2e", RUN)
         seen["job_args"] = parse_job_args(job_args(command) + RUN)
+        seen["survivors_submit"], _, seen["survivors_log"] = submit("e2e-survivors", SURVIVORS_RUN)
 
         seen.update(checkpoints=[], model=None, mlflow_runs=[], collect_error=None)
         try:
@@ -338,7 +348,7 @@ def local_cluster_run(tmp_path_factory):
 
 
 def collect_results(seen: dict, client: dict[str, str], storage_path: str) -> None:
-    """The run's checkpoints and exported model on S3, and its MLflow run, into ``seen``."""
+    """The runs' checkpoints and the exported model on S3, and the MLflow run, into ``seen``."""
     import pyarrow.fs as pafs
     from mlflow.tracking import MlflowClient
 
@@ -349,6 +359,7 @@ def collect_results(seen: dict, client: dict[str, str], storage_path: str) -> No
                            secret_key=client["AWS_SECRET_ACCESS_KEY"], region=client["AWS_REGION"])
     run_dir = storage_path.removeprefix("s3://") + "/e2e"
     seen["checkpoints"] = list_checkpoints(fs, run_dir)
+    seen["survivors_checkpoints"] = list_checkpoints(fs, run_dir + "-survivors")
     seen["model"] = fs.get_file_info(f"{run_dir}/final_model.pt").type
     mlflow = MlflowClient(client["MLFLOW_TRACKING_URI"])
     experiment = mlflow.get_experiment_by_name("ray_resilient")
@@ -392,6 +403,18 @@ def test_the_job_recovered_from_the_killed_worker(local_cluster_run):
     restore_lines = [line for line in log.splitlines() if re.search(r"Resuming|Restored|Skipping|lease|\[attempt", line)]
     assert re.search(r"Resuming at step 10\b", log), ("the second attempt did not resume from checkpoint 10",
                                                      restore_lines[-20:])
+
+
+@pytest.mark.slow
+def test_the_submitted_job_in_survivor_mode_trains_through_its_kill_in_one_worker_group(local_cluster_run):
+    seen = local_cluster_run
+    job, log = seen["survivors_submit"], seen["survivors_log"]
+    assert job.returncode == 0, (job.stdout + job.stderr)[-8000:]
+    assert "Injecting fault kill-step-5-rank1" in log
+    assert log.count("[survivors] ") == 1, "the worker group started again"  # its lead prints it at the start
+    complete = [c for c in seen["survivors_checkpoints"] if c.complete]
+    assert complete and complete[-1].step == (CLASSES * PER_CLASS) // 8, (seen["survivors_checkpoints"],
+                                                                           seen["collect_error"])
 
 
 @pytest.mark.slow

@@ -25,3 +25,9 @@ def test_quickstart_notebook_trains_and_reports(tmp_path, ray_cluster, monkeypat
     accuracy = float(outputs.split("train accuracy: ")[1].split()[0])
     assert accuracy > 0.6  # 3 classes: chance is 0.33
     assert "goodput report of" in outputs and (tmp_path / "goodput-notebook.png").exists()
+    # Survivor mode, replica 1 killed after step 5: one start from storage, the survivor trained on
+    # without it (a replacement joins if it is up before the 21 steps end), and the run ended with
+    # its final checkpoint.
+    assert "restored from storage at steps: [0]\n" in outputs
+    assert "replicas lost, joined: [([1], [])" in outputs
+    assert "final checkpoint: " + str(tmp_path / "runs" / "notebook-survivors" / "checkpoint_0000000021") in outputs

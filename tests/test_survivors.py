@@ -23,7 +23,9 @@ from ray_resilient import recommended_ray_config
 from ray_resilient.checkpoint import list_checkpoints
 from ray_resilient.goodput import read_events
 from ray_resilient.data import SamplePlan
-from ray_resilient.testing import Driver, make_image_volume, read_records, wait_until
+from ray_resilient.testing import (
+    Driver, committed_micro_batches, kept_samples, make_image_volume, read_records, wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -185,8 +187,9 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
     assert survivor_of_kill_1 == list(range(1, len(survivor_of_kill_1) + 1)) and len(survivor_of_kill_1) >= 30
 
     # Every sample of every epoch trained exactly once in kept steps: each step committed once per
-    # process, all of that step's processes agree on who trained it, and the micro-batches they
-    # computed (the sample ids the loader gave) are the plan's, none twice.
+    # process, all of that step's processes agree on who trained it, and the micro-batches its
+    # membership computed for it (the sample ids the loader gave; a replica killed right after
+    # the step's exchange computed its part but recorded no commit) are the plan's, all three.
     plan = SamplePlan(SURVIVOR_JOB["samples"], SURVIVOR_JOB["global_batch"], 1, SURVIVOR_JOB["seed"])
     for pid, steps in steps_of.items():
         assert steps == sorted(set(steps)), pid
@@ -194,17 +197,18 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
     for r in records_of(record, kind="step"):
         by_step[r["step"]].append(r)
     assert sorted(by_step) == list(range(1, 61))
+    records = read_records(record)
+    trained = Counter()
     for step, rs in by_step.items():
         assert len({tuple(r["members"]) for r in rs}) == 1, step
-        parts = [int(k) for r in rs for k in r["parts"]]
-        assert len(parts) == len(set(parts)) and set(parts) <= {0, 1, 2}
         epoch, batch = divmod(step - 1, plan.batches_per_epoch)
-        for r in rs:
-            for part, ids in r["parts"].items():
-                assert ids == plan.global_batch_indices(epoch, batch)[int(part) * 16:(int(part) + 1) * 16].tolist()
-    trained = Counter((r["epoch"], i) for rs in by_step.values() for r in rs for ids in r["parts"].values()
-                      for i in ids)
+        parts = committed_micro_batches(records, rs[0])
+        assert sorted(parts) == [0, 1, 2], step
+        for part, ids in parts.items():
+            assert ids == plan.global_batch_indices(epoch, batch)[part * 16:(part + 1) * 16].tolist()
+            trained.update((epoch, i) for i in ids)
     assert set(trained.values()) == {1} and len(trained) == 6 * 480
+    assert kept_samples(records) == trained
     assert {len(rs[0]["members"]) for rs in by_step.values()} == {2, 3}  # degraded, then whole again
 
     # Deterministic reductions: bitwise the whole state of the uninterrupted run (BatchNorm's
@@ -389,6 +393,29 @@ def test_the_last_replica_with_state_lost_while_a_replacement_waits_leaves_it_to
     assert result is not None and result.error is None
     assert_resumed_from_storage_and_ended_like_the_reference(held.record, held.storage, committed, replacement,
                                                              uninterrupted)
+
+
+def test_a_replica_lost_after_the_last_step_is_replaced_and_registers_the_final_checkpoint_with_the_others(
+        uninterrupted, tmp_path):
+    """Replica 1 SIGKILLed from outside after the last step, while both stand there: the lead makes
+    its final checkpoint durable without it, then waits for Ray's replacement, which joins a
+    finished run and registers the final checkpoint with the lead: ``Result.checkpoint`` is the
+    final one, with the run's metrics, not an older one (nor none)."""
+    held = HeldRun.start(tmp_path, uninterrupted.job, "end", 60)
+    try:
+        killed = pid_of(held.record, 1)
+        os.kill(killed, signal.SIGKILL)
+        wait_until(lambda: not trainlib.alive(killed), timeout=60, what="the killed replica to be gone")
+    finally:
+        result = held.release()
+    assert result is not None and result.error is None
+    [replacement] = [r for r in records_of(held.record, kind="joined", rank=1) if r["pid"] != killed]
+    assert replacement["step"] == 60 and replacement["finished"]
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(held.storage))
+    assert checkpoints[-1].step == 60 and checkpoints[-1].complete
+    assert result.checkpoint.path == checkpoints[-1].path
+    assert result.metrics["step"] == 60 and "loss" in result.metrics and 0 < result.metrics["goodput"] <= 1
+    trainlib.assert_same_weights(trainlib.final_weights(held.record), trainlib.final_weights(uninterrupted.record))
 
 
 def fit_survivors_refused(config: dict, storage: Path, name: str) -> BaseException:

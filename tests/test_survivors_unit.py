@@ -183,3 +183,109 @@ def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_
     assert ended["killed"][0] == "closed its connection" and ended["killed"][1] < LIVENESS_TIMEOUT_S
     how, after = ended["stopped"]
     assert how.startswith("sent no heartbeat") and LIVENESS_TIMEOUT_S - HEARTBEAT_S <= after <= LIVENESS_TIMEOUT_S + 1.0
+
+
+def test_a_step_keeps_the_micro_batches_of_a_replica_killed_after_its_exchange_and_not_of_a_dropped_attempt(
+        tmp_path):
+    from ray_resilient.testing import RecordKind, Recorder, committed_micro_batches, kept_samples, read_records
+
+    recorders = {}
+    for replica in range(3):
+        recorders[replica] = Recorder(tmp_path, replica)
+        recorders[replica].pid = 100 + replica  # three processes
+    t = iter(range(1, 100))
+
+    def computed(replica: int, step: int, members: list[int], part: int) -> None:
+        ids = [6 * (step - 1) + 2 * part, 6 * (step - 1) + 2 * part + 1]
+        recorders[replica](RecordKind.COMPUTED, t=next(t), step=step, epoch=0, members=members, part=part, ids=ids)
+
+    def committed(replica: int, step: int, members: list[int]) -> None:
+        recorders[replica](RecordKind.STEP, t=next(t), step=step, epoch=0, members=members, loss=1.0)
+
+    # Step 1 on three replicas; replica 1 is killed after the exchange, before it records the commit.
+    for replica in range(3):
+        computed(replica, 1, [0, 1, 2], replica)
+    committed(0, 1, [0, 1, 2])
+    committed(2, 1, [0, 1, 2])
+    # Step 2: the attempt with replica 1 is dropped; the two survivors train it again, two parts for replica 0.
+    computed(0, 2, [0, 1, 2], 0)
+    computed(2, 2, [0, 1, 2], 2)
+    computed(0, 2, [0, 2], 0)
+    computed(2, 2, [0, 2], 1)
+    computed(0, 2, [0, 2], 2)
+    committed(0, 2, [0, 2])
+    committed(2, 2, [0, 2])
+    for replica in (0, 2):
+        recorders[replica](RecordKind.FINISHED, t=next(t), step=2)
+
+    records = read_records(tmp_path)
+    step_1 = next(r for r in records if r["kind"] == "step" and r["step"] == 1)
+    assert committed_micro_batches(records, step_1) == {0: [0, 1], 1: [2, 3], 2: [4, 5]}
+    assert kept_samples(records) == {(0, i): 1 for i in range(12)}
+
+
+ROW, MICRO_BATCHES = 1001, 4
+
+
+def micro_batch_row(k: int) -> torch.Tensor:
+    """Micro-batch k's row: values of very different magnitudes (so the order of a sum shows in
+    its bits), the last 3 elements an integer buffer's change."""
+    generator = torch.Generator().manual_seed(k)
+    row = torch.randn(ROW, generator=generator) * 10.0 ** torch.randint(-6, 7, (ROW,), generator=generator)
+    row[-3:] = k + 1
+    return row
+
+
+def exchange_rank(rank: int, size: int, root: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from ray_resilient._torch_internals import gloo_group
+    from ray_resilient.survivors.exchange import MicroBatchExchange
+
+    store = dist.FileStore(f"{root}/store-{size}", size)
+    group = gloo_group(store, rank, size, datetime.timedelta(seconds=60), "127.0.0.1")
+    exact = torch.zeros(ROW, dtype=torch.bool)
+    exact[-3:] = True
+    exchange = MicroBatchExchange(ROW, MICRO_BATCHES, exact)
+    results = []
+    for step in range(2):  # the buffers are reused: the second step must not see the first's
+        rows = exchange.rows(size)
+        for slot, k in enumerate(range(rank, MICRO_BATCHES, size)):
+            rows[slot] = micro_batch_row(k) * (step + 1)
+        reduced, controls = exchange.reduce(group, rank, torch.tensor([rank * 10.0, step]), lambda work: work.wait())
+        results.append((reduced.clone(), controls.clone()))
+    torch.save({"results": results, "sent_bytes": exchange.sent_bytes}, f"{root}/{size}-{rank}.pt")
+
+
+def test_the_exchange_sums_micro_batches_in_their_order_to_the_same_bits_at_any_membership_and_moves_what_ddp_does(
+        tmp_path):
+    """Micro-batch rows reduced by 1, 2, 3 and 4 members (each member its micro-batches ``k % n``):
+    every member of every membership gets the same bits, the sequential sum in micro-batch order
+    divided by their count (integer elements: micro-batch 0's), and every member's controls. Each
+    member sends, per step, with one micro-batch each, what DDP's ring all-reduce sends (2 (n - 1) / n
+    rows, the controls and padding aside)."""
+    import torch.multiprocessing as mp
+
+    for size in (1, 2, 3, 4):
+        mp.start_processes(exchange_rank, args=(size, str(tmp_path)), nprocs=size, start_method="fork")
+    for step in range(2):
+        expected = micro_batch_row(0) * (step + 1)
+        for k in range(1, MICRO_BATCHES):
+            expected += micro_batch_row(k) * (step + 1)
+        expected /= MICRO_BATCHES
+        expected[-3:] = micro_batch_row(0)[-3:] * (step + 1)
+        sequential_bits = expected.view(torch.int32)
+        reordered = (sum(micro_batch_row(k) * (step + 1) for k in reversed(range(MICRO_BATCHES))) / MICRO_BATCHES)
+        assert not torch.equal(reordered[:-3].view(torch.int32), sequential_bits[:-3])  # the order shows
+        for size in (1, 2, 3, 4):
+            for rank in range(size):
+                reduced, controls = torch.load(tmp_path / f"{size}-{rank}.pt")["results"][step]
+                assert torch.equal(reduced.view(torch.int32), sequential_bits), (size, rank, step)
+                assert controls.tolist() == [[r * 10.0, step] for r in range(size)]
+    for size in (2, 4):
+        sent = torch.load(tmp_path / f"{size}-0.pt")["sent_bytes"] / 2  # per step
+        ring = 2 * (size - 1) / size * ROW * 4
+        slots = -(-MICRO_BATCHES // size)
+        assert sent <= ring * slots * 1.02 and (slots > 1 or sent >= ring * 0.98), (size, sent, ring)

@@ -422,8 +422,9 @@ def survivor_fn(config: dict[str, Any]) -> None:
     volume's images (:func:`survivor_volume_loader`), SGD with a scheduler.
 
     Each process records into ``record_dir`` (:func:`ray_resilient.testing.read_records`): ``start``,
-    ``joined`` (the step it joined at and the sha of its state then), and every committed step
-    (the membership, this process's parts and their sample ids, the loss, the sha). The lead
+    ``joined`` (the step it joined at and the sha of its state then), each micro-batch it computed
+    (the step, the membership, its part and sample ids), and every committed step (the membership,
+    the loss, the sha). The lead
     writes the final weights. ``wait_at``: ``[{"step": S, "until": FILE}]``: every replica stops
     after step S until FILE exists (a test acts then). ``goodput_logger``: as :func:`train_fn`'s.
     """

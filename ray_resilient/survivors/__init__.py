@@ -15,8 +15,8 @@ torchft does not, for three reasons:
   trained, and a recovered one ends a batch behind. Here a dropped step's global batch is
   trained again, whole, by the replicas that remain.
 - Its reductions depend on who is alive, so a run that lost a replica is not the run that did
-  not. Here each micro-batch's gradient is its own row of one all-gather and every replica adds
-  the rows in order: the result is bitwise that of an uninterrupted run.
+  not. Here each micro-batch's gradient is its own row of the step's exchange, which adds the
+  rows in micro-batch order: the result is bitwise that of an uninterrupted run.
 
 What replaces torchft is small: a :class:`~ray_resilient.survivors.coordinator.MembershipCoordinator`
 actor (membership, liveness by TCP connection, the gloo rendezvous store), a gloo group per

@@ -48,6 +48,7 @@ def lost_key(epoch: int) -> str:
 
 UNRESPONSIVE_S = 120.0  # a live replica that never reports a membership change is dropped after this
 JOIN_TIMEOUT_S = 600.0  # a replacement not taken in by then fails (Ray starts it again)
+FINAL_REPLACEMENT_WAIT_S = 120.0  # at the run's end, how long the lead waits for Ray's replacements to start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +202,22 @@ class MembershipCoordinator:
             self._final_metrics = dict(metrics or {})
             self._changed.notify_all()
 
+    async def wait_for_every_replica(self, timeout_s: float) -> bool:
+        """Wait until a process of every replica id is connected (Ray started the replacements of
+        the lost ones, so every worker of its group can meet at its report barrier); False after
+        ``timeout_s``."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(
+                    lambda: set(self._connected.values()) >= set(range(self._replicas))), timeout_s)
+                return True
+            except asyncio.TimeoutError:
+                return False
+
     async def wait_finished(self) -> tuple[str | None, list[int], dict[str, Any]]:
-        """A member past the last step waits for the lead's :meth:`finish`: its error, if any (also
-        when the lead is lost before it), the steps of the checkpoints to register and the final metrics."""
+        """A member past the last step (or a replacement that joined after it) waits for the lead's
+        :meth:`finish`: its error, if any (also when the lead is lost before it), the steps of the
+        checkpoints to register and the final metrics."""
         async with self._changed:
             lead = self._current.lead
             token = self._tokens.get(lead)

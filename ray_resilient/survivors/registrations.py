@@ -2,7 +2,8 @@
 
 Every Ray Train report is a barrier across the whole worker group, so the replicas register
 together: at the same step boundary, all of them, only while every replica trains (the lead says
-when in the step's all-gather; a replica missing from the membership would never arrive). The
+when in the step's exchange; a replica missing from the membership would never arrive), or at the
+run's end once a process of every replica is up. The
 lead passes the checkpoint, the others none (:func:`~ray_resilient.checkpoint.registration.register_durable`).
 
 The reports run in order on a thread of each replica's own: a replica lost while the others wait

@@ -2,25 +2,25 @@
 
 Each Ray Train worker is one full replica of the model (DDP-style). A global batch is cut into a
 fixed number of micro-batches; the live replicas share them out (micro-batch ``k`` to the member
-of rank ``k % members``), and each micro-batch's gradient travels as its own row of one
-all-gather. Every replica then adds the rows in micro-batch order. So the step's gradient is the
-same bits whichever replicas computed it. Buffers the forward pass changes (BatchNorm's running
-statistics) go the same way: each micro-batch's forward starts from the step's buffers, and the
-change it made travels in its row; every replica adds the changes in micro-batch order, divides
-by their count and adds the mean to the step's buffers (integer buffers, BatchNorm's
-``num_batches_tracked``, take micro-batch 0's change). A step updates the running statistics once,
-with the mean of its micro-batches' statistics: a run that lost replicas ends with bitwise the weights
-of an uninterrupted run, and no sample of a kept step is lost or trained twice. The cost: each
-replica receives the others' rows, ``(members - 1) / members x micro_batches`` gradients, where
-DDP's ring all-reduce moves ``2 (members - 1) / members``: the same traffic at ``micro_batches``
-= 2, and not overlapped with the backward pass.
+of rank ``k % members``), and each micro-batch's gradient is its own row of the step's exchange
+(:mod:`.exchange`): a reduce-scatter that adds the rows in micro-batch order, then an all-gather.
+So the step's gradient is the same bits whichever replicas computed it. Buffers the forward pass
+changes (BatchNorm's running statistics) go the same way: each micro-batch's forward starts from
+the step's buffers, and the change it made travels in its row; the exchange adds the changes in
+micro-batch order and divides by their count, and every replica adds the mean to the step's
+buffers (integer buffers, BatchNorm's ``num_batches_tracked``, take micro-batch 0's change). A
+step updates the running statistics once, with the mean of its micro-batches' statistics: a run
+that lost replicas ends with bitwise the weights of an uninterrupted run, and no sample of a kept
+step is lost or trained twice. The cost: with one micro-batch per replica, each sends what DDP's
+ring all-reduce sends (``2 (members - 1) / members`` gradients), ``ceil(micro_batches /
+members)`` times that in the reduce-scatter with more; not overlapped with the backward pass.
 
 With ``data`` (a :class:`~ray_resilient.data.VolumeDataLoader`), each step tells the replica's
 loader which micro-batches the membership gives it, and it reads them from the volume through its
 workers, cache and prefetching; the data position goes into the lead's checkpoints.
 
-A step commits on a replica when its all-gather succeeded there. A replica that dies breaks the
-gloo connections of that all-gather at once; the others drop the step, ask the
+A step commits on a replica when its exchange succeeded there. A replica that dies breaks the
+gloo connections of that exchange at once; the others drop the step, ask the
 :class:`~ray_resilient.survivors.coordinator.MembershipCoordinator` for the next membership and
 train the same step again among themselves, in the same processes. Ray Train starts a
 replacement in the dead replica's place; it copies model, optimizer, scheduler, step and the
@@ -31,7 +31,9 @@ The lead replica holds the run directory's lease (one driver per run, as with ``
 :mod:`ray_resilient.checkpoint.lease`) and saves plain DCP checkpoints in the background, as a
 one-rank job; they are the safety net for losing every replica holding state, or the driver.
 Once durable, they are registered with Ray (:mod:`.registrations`: ``Result.checkpoint``,
-``get_checkpoint()``, ``CheckpointConfig.num_to_keep``) at the next step every replica trains.
+``get_checkpoint()``, ``CheckpointConfig.num_to_keep``) at the next step every replica trains,
+or at the run's end once a process of every replica is up (a replacement Ray started after the
+last step registers them with the others).
 A worker group starts with one replica restoring the newest complete checkpoint and the others
 copying from it, so every replica starts from one read; a membership left without a replica
 holding state starts the same way.
@@ -68,7 +70,8 @@ from ray_resilient.checkpoint.writer import SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.events import EventKind
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
-from ray_resilient.survivors.coordinator import JOINERS_KEY, Membership, lost_key
+from ray_resilient.survivors.coordinator import FINAL_REPLACEMENT_WAIT_S, JOINERS_KEY, Membership, lost_key
+from ray_resilient.survivors.exchange import CONTROLS, MicroBatchExchange
 from ray_resilient.survivors.liveness import LivenessLink
 from ray_resilient.survivors.registrations import Registrations
 from ray_resilient.survivors.state_copy import receive_state, send_state
@@ -164,13 +167,18 @@ class SurvivingReplicas:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.step = 0
         self.finished = False
-        self.last_parts: tuple[int, ...] = ()  # the micro-batches this replica computed in the last step
         self.result_metrics: dict[str, Any] = {}  # reported with the final checkpoint (the lead's)
         self._params = [p for p in model.parameters()]
         self._sizes = [p.numel() for p in self._params]
         self._buffers = [b for b in model.buffers()]
         self._buffer_sizes = [b.numel() for b in self._buffers]
-        self._row = sum(self._sizes) + sum(self._buffer_sizes) + 1  # the gradient, the buffers' change, the loss
+        row = sum(self._sizes) + sum(self._buffer_sizes) + 1  # the gradient, the buffers' change, the loss
+        exact = torch.zeros(row, dtype=torch.bool)  # integer buffers: micro-batch 0's change
+        offset = sum(self._sizes)
+        for buffer, size in zip(self._buffers, self._buffer_sizes):
+            exact[offset:offset + size] = not buffer.is_floating_point()
+            offset += size
+        self._exchange = MicroBatchExchange(row, micro_batches, exact)
         self._data = data
         self._components = TrainingComponents(model, optimizer, lr_scheduler, data=data)
         ctx = ray.train.get_context()
@@ -221,7 +229,7 @@ class SurvivingReplicas:
     def __exit__(self, exc_type, exc, tb) -> None:
         error = exc
         try:
-            if error is None and not self.finished:
+            if error is None:
                 self._finish()
         except BaseException as err:
             error = err
@@ -253,16 +261,21 @@ class SurvivingReplicas:
         """Whether this replica saves the checkpoints and records the run's progress."""
         return self._membership is not None and self._membership.lead == self.replica
 
+    @property
+    def sent_bytes(self) -> int:
+        """The bytes this replica sent in the exchanges of its steps so far (gloo's framing aside)."""
+        return self._exchange.sent_bytes
+
     def train_step(self, loss_of: LossOf) -> float:
         """Train global batch ``self.step`` among the live replicas (again, after losing one) and
         apply it; returns its mean loss over the global batch."""
         self._faults.fire("step", self.step)  # "after step N": once the train function went on from it
         while True:
             started = time.time()
-            mine = self._gradients(loss_of)
-            gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+            controls = self._gradients(loss_of)
             try:
-                self._wait(self._group.allgather([gathered], [mine]))
+                reduced, controls = self._exchange.reduce(self._group, self._membership.rank(self.replica), controls,
+                                                          self._wait)
             except RuntimeError as err:  # a replica is gone: gloo's connections to it broke, or the coordinator says
                 logger.warning("Step %d dropped on %d replicas (%s); continuing without the lost one",
                                self.step + 1, self.world_size, str(err).splitlines()[0][:200])
@@ -270,8 +283,8 @@ class SurvivingReplicas:
                              world_size=self.world_size)
                 self._change_membership()
                 continue
-            loss = self._apply(gathered)
-            offered = int(gathered[self._membership.rank(self._membership.lead)][-2]) - 1
+            loss = self._apply(reduced)
+            offered = int(controls[self._membership.rank(self._membership.lead), 0]) - 1
             if offered >= 0:
                 self._register(offered)
             if not self._trained and spares_enabled():
@@ -288,32 +301,30 @@ class SurvivingReplicas:
                         stall = self._save()
                         if stall is not None:
                             self._policy.saved(self.step, stall, self._last_durable_seconds, None)
-            if gathered[0][-1] > 0:  # a replacement is waiting: take it in at this step boundary
+            if controls[0, 1] > 0:  # a replacement is waiting: take it in at this step boundary
                 self._change_membership()
             return loss
 
     def _gradients(self, loss_of: LossOf) -> torch.Tensor:
-        """This replica's rows, one per micro-batch it computes (its gradient, the change its forward
-        made to the buffers, then its loss; slots ``ceil(micro_batches / members)``, the last one
-        zero where it has fewer), the buffers left as the step found them; then the step of
-        the durable checkpoint to register with Ray after this step, plus one (the lead offers its
-        oldest one Ray lacks while every replica trains; 0: none); last, whether a replacement
-        waits (rank 0 looks)."""
+        """Fill the exchange's rows of this replica, one per micro-batch it computes (its gradient,
+        the change its forward made to the buffers, then its loss), the buffers left as the step
+        found them. Returns its controls: the step of the durable checkpoint to register with Ray
+        after this step, plus one (the lead offers its oldest one Ray lacks while every replica
+        trains; 0: none), and whether a replacement waits (rank 0 looks)."""
         rank, size = self._membership.rank(self.replica), self.world_size
-        slots = -(-self.micro_batches // size)
-        mine = torch.zeros(slots * self._row + 2)
-        self.last_parts = tuple(range(rank, self.micro_batches, size))
+        rows = self._exchange.rows(size)
+        controls = torch.zeros(CONTROLS)
         if self._data is not None:
             self._data.assign_micro_batches(self.step, rank, size, self.micro_batches)
         with torch.no_grad():
             start = [buffer.clone() for buffer in self._buffers]
-        for slot, k in enumerate(self.last_parts):
+        for slot, k in enumerate(range(rank, self.micro_batches, size)):
             reseed_rng(self.seed, self.step, k)
             self.optimizer.zero_grad(set_to_none=True)
             self._set_buffers(start)  # every micro-batch's forward starts from the step's buffers
             loss = loss_of(self.step, k)
             loss.backward()
-            row = mine[slot * self._row:(slot + 1) * self._row]
+            row = rows[slot]
             offset = 0
             for param, size_ in zip(self._params, self._sizes):
                 if param.grad is not None:
@@ -326,43 +337,33 @@ class SurvivingReplicas:
             row[-1] = loss.detach()
         self._set_buffers(start)
         if self.is_lead and self._unregistered and self.world_size == self._replicas:
-            mine[-2] = 1 + self._unregistered[0][0]
+            controls[0] = 1 + self._unregistered[0][0]
         if rank == 0 and self._store.check([JOINERS_KEY]):
-            mine[-1] = 1.0
-        return mine
+            controls[1] = 1.0
+        return controls
 
     def _set_buffers(self, values: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for buffer, value in zip(self._buffers, values):
                 buffer.copy_(value)
 
-    def _apply(self, gathered: list[torch.Tensor]) -> float:
-        """Add every replica's rows in micro-batch order (the same bits on every replica), then step
+    def _apply(self, reduced: torch.Tensor) -> float:
+        """Step with the exchange's mean gradient (a view of it where the parameter is on the host)
         and move the buffers by the mean of their change (integer ones by micro-batch 0's)."""
-        size = len(gathered)
-
-        def row(k: int) -> torch.Tensor:  # micro-batch k: slot k // size of the member of rank k % size
-            return gathered[k % size][k // size * self._row:(k // size + 1) * self._row]
-
-        total = row(0).clone()
-        for k in range(1, self.micro_batches):
-            total += row(k)
-        total /= self.micro_batches
         offset = 0
         for param, size in zip(self._params, self._sizes):
-            param.grad = total[offset:offset + size].view_as(param).to(param.device, copy=True)
+            param.grad = reduced[offset:offset + size].view_as(param).to(param.device)
             offset += size
         with torch.no_grad():
             for buffer, size in zip(self._buffers, self._buffer_sizes):
-                change = (total if buffer.is_floating_point() else row(0))[offset:offset + size]
-                buffer.add_(change.view_as(buffer).to(buffer.device, buffer.dtype))
+                buffer.add_(reduced[offset:offset + size].view_as(buffer).to(buffer.device, buffer.dtype))
                 offset += size
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
         self._reforms_without_a_step = 0
-        return float(total[-1])
+        return float(reduced[-1])
 
     # --- membership ---------------------------------------------------------------------
 
@@ -503,24 +504,27 @@ class SurvivingReplicas:
     def _finish(self) -> None:
         """The run's end: the lead's final checkpoint durable (:class:`CheckpointSaveError` if it
         cannot be made so, on every replica), the others waiting for it; then every replica
-        registers the checkpoints Ray lacks, the final one last, if every replica is there."""
-        if self.is_lead:
+        registers the checkpoints Ray lacks, the final one last, once a process of every replica
+        is up: a replacement Ray started after the last step (:attr:`finished` when it joined)
+        registers them with the others."""
+        if self.is_lead and not self.finished:
             try:
                 self._final_save()
             except CheckpointSaveError as err:
                 ray.get(self._coordinator.finish.remote(self.step, str(err), []))
                 raise
+            # By the connections, not the membership: a replica killed after the last step is still a member.
+            everyone = ray.get(self._coordinator.wait_for_every_replica.remote(FINAL_REPLACEMENT_WAIT_S))
             metrics = {**self.result_metrics, **self._goodput.metrics()}
             self._goodput.finished(self.step)
-            to_register = [step for step, _ in self._unregistered] if self.world_size == self._replicas else []
-            if not to_register and self._unregistered:
-                logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: %d of %d "
-                               "replicas were training at the end", self.step, self.world_size, self._replicas)
+            to_register = [step for step, _ in self._unregistered] if everyone else []
+            if not everyone and self._unregistered:
+                logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: a replica "
+                               "was still missing %.0f s after the end", self.step, FINAL_REPLACEMENT_WAIT_S)
             ray.get(self._coordinator.finish.remote(self.step, None, to_register, metrics))
-        else:
-            error, to_register, metrics = ray.get(self._coordinator.wait_finished.remote())
-            if error is not None:
-                raise CheckpointSaveError(error)
+        error, to_register, metrics = ray.get(self._coordinator.wait_finished.remote())
+        if error is not None:
+            raise CheckpointSaveError(error)
         for step in to_register:
             self._register(step, metrics if step == to_register[-1] else None)
         self.finished = True
@@ -544,7 +548,7 @@ class SurvivingReplicas:
 
     def _save(self) -> float | None:
         """The lead's save of this step, deferred a step while both staging sets are being written
-        (the others would wait for it in the next all-gather); how long it stalled the loop (None: deferred)."""
+        (the others would wait for it in the next exchange); how long it stalled the loop (None: deferred)."""
         if not self._session.may_save(self.step):
             return None
         started = time.time()

@@ -18,9 +18,10 @@ if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each nam
     from ray_resilient.testing.chaos_job import ChaosJob, Worker, mlp, train_replica, train_restarting, train_survivors
     from ray_resilient.testing.driver import Driver, DriverError, run_driver
     from ray_resilient.testing.experiment import (
-        PHASES, RESTART_DETAIL, SETUP_MARKS, Fit, Kill, Pause, chaos_cluster, discarded_steps, experiment_dir,
-        finite_median, fit_on, foreign_cpu, kept_samples, kill_moments, median_step_seconds, planned_samples,
-        recovery_phases, sample_errors, spaced_kill_plan, start_local_ray, survivor_pauses, timed_kill_schedule,
+        PHASES, RESTART_DETAIL, SETUP_MARKS, Fit, Kill, Pause, chaos_cluster, committed_micro_batches, discarded_steps,
+        experiment_dir, finite_median, fit_on, foreign_cpu, kept_samples, kill_moments, median_step_seconds,
+        planned_samples, recovery_phases, sample_errors, spaced_kill_plan, start_local_ray, survivor_pauses,
+        timed_kill_schedule,
     )
     from ray_resilient.testing.image_volume import SHAPES, make_image_volume
     from ray_resilient.testing.local_cluster import LocalNode, LocalRayCluster
@@ -63,6 +64,7 @@ _EXPORTS = {
     "Kill": "experiment",
     "Pause": "experiment",
     "chaos_cluster": "experiment",
+    "committed_micro_batches": "experiment",
     "discarded_steps": "experiment",
     "experiment_dir": "experiment",
     "finite_median": "experiment",

@@ -193,8 +193,8 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
     A micro-batch is ``step_seconds`` of emulated compute, then the loss of the model on its
     samples with a little input noise: drawn from the stream survivor mode derives per
     micro-batch, so a replica that drew from any other stream shows in the weights. Records
-    JOINED, every committed STEP (with the state's ``sha`` when ``digest``: bitwise comparisons
-    across replicas; the sample ids of its micro-batches as the data gave them) and FINISHED;
+    JOINED, each micro-batch COMPUTED (its sample ids as the data gave them), every committed STEP
+    (with the state's ``sha`` when ``digest``: bitwise comparisons across replicas) and FINISHED;
     ``after_step(step)`` runs after each. Returns whether this process ended as the lead (which
     saved the final checkpoint).
     """
@@ -202,9 +202,9 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
 
     from ray_resilient.survivors import SurvivingReplicas
 
-    computed: dict[int, list[int]] = {}  # part -> sample ids, of the step being trained
     volume = hasattr(data, "assign_micro_batches")  # a VolumeDataLoader (not imported: torchvision)
     per_epoch = data.volume_dataset.batches_per_epoch(0) if volume else data.batches_per_epoch
+    trained_by: list[int] = []  # the membership of the step's last attempt: the one that committed it
 
     def loss_of(step: int, part: int) -> torch.Tensor:
         if volume:
@@ -212,7 +212,9 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
             ids, x, y = batch.sample_ids, batch.images.flatten(1), batch.labels
         else:
             ids, x, y = data.micro_batch(step, part, replicas.micro_batches)
-        computed[part] = ids.tolist()
+        trained_by[:] = replicas.members
+        record(RecordKind.COMPUTED, step=step + 1, epoch=step // per_epoch, members=trained_by, part=part,
+               ids=ids.tolist())
         time.sleep(step_seconds)  # the accelerator's compute
         return torch.nn.functional.cross_entropy(model(x + NOISE * torch.randn_like(x)), y)
 
@@ -222,12 +224,10 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
     with SurvivingReplicas(model, optimizer, data=data if volume else None, **options) as replicas:
         record(RecordKind.JOINED, step=replicas.step, finished=replicas.finished, **sha())
         while replicas.step < max_steps:
-            computed.clear()
             loss = replicas.train_step(loss_of)
             replicas.result_metrics = {"loss": loss}
-            record(RecordKind.STEP, step=replicas.step, epoch=(replicas.step - 1) // per_epoch,
-                   members=list(replicas.members), parts={k: computed[k] for k in replicas.last_parts}, loss=loss,
-                   **sha())
+            record(RecordKind.STEP, step=replicas.step, epoch=(replicas.step - 1) // per_epoch, members=trained_by,
+                   loss=loss, **sha())  # not replicas.members: a replacement may have joined at this step's end
             if after_step is not None:
                 after_step(replicas.step)
         lead = replicas.is_lead

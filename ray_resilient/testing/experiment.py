@@ -10,7 +10,8 @@ workers by a seeded plan, and reads afterwards what every process did (:mod:`.re
   fired by the ``Checkpointer`` or the replicas);
 - the driver: :func:`fit_on` runs one ``fit()`` in a driver process (:func:`fit_in_driver`) on a
   :func:`chaos_cluster`, in an :func:`experiment_dir`;
-- the analyses of the records: :func:`kept_samples` against :func:`planned_samples`,
+- the analyses of the records: :func:`kept_samples` (:func:`committed_micro_batches`) against
+  :func:`planned_samples`,
   :func:`survivor_pauses`, :func:`recovery_phases`, :func:`discarded_steps`, all from the
   :func:`kill_moments`.
 
@@ -282,12 +283,32 @@ def kept_samples(records: Sequence[dict[str, Any]]) -> Counter:
     restored = [(r["t"], r["step"]) for r in of_kind(records, RecordKind.RESTORED)]
     starts = restored + [(r["t"], r["step"]) for r in of_kind(records, RecordKind.JOINED)]
     seen: Counter = Counter()
+    counted = set()  # survivor mode: (step, members) whose micro-batches are counted
     for r in steps:
         if any(t > r["t"] and step < r["step"] for t, step in starts):
             continue
-        if (r["step"], _membership(r)) in went_on or any(t > r["t"] and step >= r["step"] for t, step in restored):
-            seen.update((r["epoch"], i) for ids in r["parts"].values() for i in ids)
+        key = (r["step"], _membership(r))
+        if key in went_on or any(t > r["t"] and step >= r["step"] for t, step in restored):
+            if key[1] is None:
+                seen.update((r["epoch"], i) for ids in r["parts"].values() for i in ids)
+            elif key not in counted:
+                counted.add(key)
+                seen.update((r["epoch"], i) for ids in committed_micro_batches(records, r).values() for i in ids)
     return seen
+
+
+def committed_micro_batches(records: Sequence[dict[str, Any]], step: dict[str, Any]) -> dict[int, list[int]]:
+    """Survivor mode: {part: sample ids} of the micro-batches the committed ``step`` (a STEP record)
+    trained: for each part, the last one computed for it in the step's membership before the commit.
+
+    Read from the COMPUTED records rather than the members' STEP records: a replica killed just
+    after the step's exchange gave its micro-batches to the step but never recorded it.
+    """
+    parts = {}
+    for r in of_kind(records, RecordKind.COMPUTED):
+        if r["t"] < step["t"] and r["step"] == step["step"] and r["members"] == step["members"]:
+            parts[r["part"]] = r["ids"]
+    return parts
 
 
 def _membership(record: dict[str, Any]) -> tuple[int, ...] | None:

@@ -26,7 +26,9 @@ class RecordKind(str, Enum):
     RESTORED = "restored"  # the state of a checkpoint loaded: its step (a baseline may resume before it)
     FIRST_BATCH = "first_batch"  # the first batch after the restore in hand
     JOINED = "joined"  # survivor mode: the replica's state is the run's at step; finished, sha (digest)
-    STEP = "step"  # committed: step, epoch, parts ({part: sample ids}); survivor mode: members, loss, sha
+    STEP = "step"  # committed: step, epoch; parts ({part: sample ids}); survivor mode instead: members
+    #                (those that trained it), loss, sha
+    COMPUTED = "computed"  # survivor mode: a micro-batch computed: step (it trains), epoch, members, part, ids
     KILL = "kill"  # a timed kill fires now: step (the last committed), planned (its moment)
     FINISHED = "finished"  # the loop ended: step
 
