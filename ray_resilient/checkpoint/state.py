@@ -105,7 +105,9 @@ def reseed_rng(seed: int, step: int, rank: int) -> None:
     derived = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
     random.seed(derived)
     np.random.seed(derived)
-    torch.manual_seed(derived)
+    torch.default_generator.manual_seed(derived)
+    if torch.cuda.is_initialized():  # torch.manual_seed would queue it with a stack trace: 1 ms a call
+        torch.cuda.manual_seed_all(derived)
 
 
 def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

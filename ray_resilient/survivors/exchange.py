@@ -1,13 +1,15 @@
 """The step's exchange: the sum of every micro-batch's row, the same bits whoever computed which.
 
 Each replica fills one row per micro-batch it computed (micro-batch ``k`` is computed by the
-member of rank ``k % members``, in its slot ``k // members``). The rows are cut into one
-contiguous shard per member. A reduce-scatter made of an all-to-all gives each member its shard
-of every row; it adds them in micro-batch order (``((row 0 + row 1) + row 2) + ...``, the order
-fixed by the micro-batch index alone, so its bits do not depend on the membership) and divides by
-the number of micro-batches; elements marked exact take micro-batch 0's value instead (integer
-buffers such as BatchNorm's ``num_batches_tracked``). An all-gather of the reduced shards then
-gives every member the whole result, with each member's control values beside its shard.
+member of rank ``k % members``, in its slot ``k // members``); a row ends with every member's
+control values, zero but in the member's own first row. The rows are cut into one contiguous
+shard per member. A reduce-scatter made of an all-to-all gives each member its shard of every
+row; it adds them in micro-batch order (``((row 0 + row 1) + row 2) + ...``, the order fixed by
+the micro-batch index alone, so its bits do not depend on the membership) and divides the data
+by the number of micro-batches; elements marked exact take micro-batch 0's value instead
+(integer buffers such as BatchNorm's ``num_batches_tracked``), and the controls come out as
+their one member sent them. An all-gather of the reduced shards then gives every member the
+whole result.
 
 Traffic per member and step, with ``n`` members and ``slots = ceil(micro_batches / n)``: it sends
 ``slots x (n - 1) / n`` rows in the all-to-all and ``(n - 1) / n`` of a row in the all-gather
@@ -22,14 +24,16 @@ from typing import Any
 
 import torch
 
-CONTROLS = 2  # values each member sends beside its reduced shard (survivor mode's flags)
+CONTROLS = 2  # values each member sends with its rows, which every member receives (survivor mode's flags)
 
 
 class MicroBatchExchange:
     """Sums rows of ``row_length`` over ``micro_batches`` micro-batches among a membership's members.
 
     ``exact``: a boolean mask over a row, True where the result is micro-batch 0's value rather
-    than the mean. Buffers are allocated once per membership size and reused.
+    than the mean. Each row carries, after its data, every member's controls (zero but in the
+    member's own first row), which the sum delivers unchanged. Buffers are allocated once per
+    membership size and reused: with one row per member, its rows are what it sends.
     """
 
     def __init__(self, row_length: int, micro_batches: int, exact: torch.Tensor):
@@ -39,54 +43,50 @@ class MicroBatchExchange:
         self.sent_bytes = 0  # sent by this member in every exchange so far (the data, not gloo's framing)
 
     def rows(self, size: int) -> torch.Tensor:
-        """The zeroed ``(slots, row_length)`` rows of this member, for a membership of ``size``."""
+        """This member's ``(slots, row_length)`` rows for a membership of ``size``, slot ``s`` for
+        its micro-batch ``rank + s x size``: the caller writes every element of those it computes."""
         if size != self._size:
-            self._size = size
-            self._slots = -(-self.micro_batches // size)
-            self._bounds = [j * self.row_length // size for j in range(size + 1)]
-            self._shard = -(-self.row_length // size)  # the all-gather's chunk: the longest shard
-            self._rows = torch.zeros(self._slots, self.row_length)
-            self._send = torch.empty(self._slots * self.row_length)
-            self._gathered = torch.empty(size, self._shard + CONTROLS)
-            self._reduced = torch.empty(self.row_length)
-        else:
-            self._rows.zero_()
-        return self._rows
+            self._size, self._slots = size, -(-self.micro_batches // size)
+            length = self.row_length + self.micro_batches * CONTROLS
+            self._shard = -(-length // size)  # every member's shard of a row, the last one padded
+            self._rows = torch.zeros(self._slots, size * self._shard)
+            self._send = torch.empty(self._rows.numel()) if self._slots > 1 else self._rows.view(-1)
+            self._received = torch.empty(size, self._slots, self._shard)
+            self._chunk = torch.empty(self._shard)
+            self._reduced = torch.empty(size * self._shard)
+            self._exact_at: dict[int, torch.Tensor] = {}  # rank -> the exact elements' indices in its shard
+        return self._rows[:, :self.row_length]
 
     def reduce(self, group: Any, rank: int, controls: torch.Tensor,
                wait: Callable[[Any], None]) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean of the membership's rows in micro-batch order (exact elements: micro-batch 0's),
         and every member's ``controls`` (``(size, CONTROLS)``), from this member of rank ``rank``
         in ``group`` whose rows :meth:`rows` gave. ``wait(work)`` waits for a collective (raising
-        when a member is lost). The result is this exchange's buffer, overwritten by the next."""
-        size, slots, bounds = self._size, self._slots, self._bounds
-        lengths = [bounds[j + 1] - bounds[j] for j in range(size)]
-        offset = 0
-        for j in range(size):  # destination j: its shard of each of this member's slots
-            block = self._send[offset:offset + slots * lengths[j]].view(slots, lengths[j])
-            block.copy_(self._rows[:, bounds[j]:bounds[j + 1]])
-            offset += slots * lengths[j]
-        mine = lengths[rank]
-        received = torch.empty(size * slots * mine)
-        wait(group.alltoall_base(received, self._send, [slots * mine] * size, [slots * n for n in lengths]))
-        parts = received.view(size, slots, mine)
+        when a member is lost). The results are this exchange's buffers, overwritten by the next."""
+        size, slots, shard, data = self._size, self._slots, self._shard, self.row_length
+        self._rows[:, data:data + self.micro_batches * CONTROLS] = 0.0
+        self._rows[0, data + rank * CONTROLS:data + (rank + 1) * CONTROLS] = controls
+        if slots > 1:  # the send buffer in destination order: shard j of each slot, for member j
+            self._send.view(size, slots, shard).copy_(self._rows.view(slots, size, shard).transpose(0, 1))
+        wait(group.alltoall_base(self._received.view(-1), self._send, [slots * shard] * size, [slots * shard] * size))
 
-        def row(k: int) -> torch.Tensor:  # micro-batch k's part of this shard
-            return parts[k % size, k // size]
+        def row(k: int) -> torch.Tensor:  # micro-batch k's part of this member's shard
+            return self._received[k % size, k // size]
 
-        chunk = self._gathered[rank]
-        total = chunk[:mine]
-        total.copy_(row(0))
-        for k in range(1, self.micro_batches):
+        total = self._chunk
+        if self.micro_batches == 1:
+            total.copy_(row(0))
+        else:
+            torch.add(row(0), row(1), out=total)
+        for k in range(2, self.micro_batches):
             total += row(k)
-        total /= self.micro_batches
-        exact = self._exact[bounds[rank]:bounds[rank + 1]]
+        first = rank * shard  # this shard's first element in the row
+        total[:max(0, min(shard, data - first))] /= self.micro_batches  # the data's mean; the controls as sent
+        if rank not in self._exact_at:
+            self._exact_at[rank] = self._exact[first:first + shard].nonzero().flatten()
+        exact = self._exact_at[rank]
         total[exact] = row(0)[exact]
-        chunk[self._shard:] = controls
-        outputs = list(self._gathered.unbind(0))
-        wait(group.allgather([outputs], [chunk.clone()]))
-        for j in range(size):
-            self._reduced[bounds[j]:bounds[j + 1]] = self._gathered[j, :lengths[j]]
-        itemsize = self._send.element_size()
-        self.sent_bytes += itemsize * (slots * (self.row_length - mine) + (size - 1) * (self._shard + CONTROLS))
-        return self._reduced, self._gathered[:, self._shard:]
+        wait(group.allgather([list(self._reduced.view(size, shard).unbind(0))], [total]))
+        self.sent_bytes += total.element_size() * (size - 1) * (slots + 1) * shard
+        controls = self._reduced[data:data + size * CONTROLS].view(size, CONTROLS)
+        return self._reduced[:data], controls

@@ -327,8 +327,7 @@ class SurvivingReplicas:
             row = rows[slot]
             offset = 0
             for param, size_ in zip(self._params, self._sizes):
-                if param.grad is not None:
-                    row[offset:offset + size_] = param.grad.reshape(-1)
+                row[offset:offset + size_] = param.grad.reshape(-1) if param.grad is not None else 0.0
                 offset += size_
             with torch.no_grad():
                 for buffer, before, size_ in zip(self._buffers, start, self._buffer_sizes):
