@@ -41,7 +41,8 @@ Each choice, and why:
     the controller without dying (SIGSTOP, a hang, a partitioned node) is replaced after a minute
     instead of ten. Raise it if a train function may hold Python's GIL longer (a long C call).
 
-- Spare workers (``spare_workers=True``): a restart replaces the whole worker group with new
+- Spare workers (``spare_workers=True``, or ``RAY_RESILIENT_SPARE_WORKERS=0`` in the driver's
+  environment for none): a restart replaces the whole worker group with new
   processes, each starting Ray's worker and importing torch, Ray Train and ray_resilient, most
   of a recovery. Every worker process imports the ``preload`` modules as it starts, and once an
   attempt trains, :class:`~ray_resilient.Checkpointer` asks each node's raylet for as many
@@ -80,7 +81,7 @@ from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.storage.run import RunStorage
-from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES, worker_env
+from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES, spares_by_default, worker_env
 
 RECOMMENDED_ENV = {
     TRAIN_HEALTH_CHECK_INTERVAL_ENV: "0.5",
@@ -179,7 +180,7 @@ def recommended_ray_config(
     resize_check_s: float = 300.0,
     storage_filesystem: pafs.FileSystem | None = None,
     env: dict[str, str] | None = None,
-    spare_workers: bool = True,
+    spare_workers: bool | None = None,
     preload: Sequence[str] = DEFAULT_PRELOAD_MODULES,
     survivors: bool = False,
 ) -> ResilientRayConfig:
@@ -195,7 +196,8 @@ def recommended_ray_config(
         resize_check_s: how often a running elastic job checks whether it could grow.
         storage_filesystem: a configured pyarrow filesystem for ``storage_path``.
         env: overrides of :data:`RECOMMENDED_ENV`.
-        spare_workers: keep warm worker processes for the next restart.
+        spare_workers: keep warm worker processes for the next restart (default: yes, unless the
+            environment sets ``RAY_RESILIENT_SPARE_WORKERS=0``).
         preload: modules every worker process imports as it starts (with ``spare_workers``).
         survivors: survivor mode (:mod:`ray_resilient.survivors`); needs a fixed ``workers``.
     """
@@ -210,6 +212,8 @@ def recommended_ray_config(
                          f"place), got workers={workers}: give one number")
     if num_to_keep < 2:
         raise ValueError(f"num_to_keep must be >= 2 so a corrupt newest checkpoint has a fallback, got {num_to_keep}")
+    if spare_workers is None:
+        spare_workers = spares_by_default()
     scaling = ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources_per_worker,
                             elastic_resize_monitor_interval_s=resize_check_s)
     run = RunConfig(

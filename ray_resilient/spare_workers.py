@@ -33,7 +33,7 @@ from ray_resilient._ray_internals import prestart_workers, worker_setup_hook_env
 
 logger = logging.getLogger(__name__)
 
-SPARE_WORKERS_ENV = "RAY_RESILIENT_SPARE_WORKERS"  # "1": Checkpointer asks for spares
+SPARE_WORKERS_ENV = "RAY_RESILIENT_SPARE_WORKERS"  # "1": Checkpointer asks for spares; "0" on a driver: none
 PRELOAD_ENV = "RAY_RESILIENT_PRELOAD_MODULES"  # comma-separated modules a spare imports at start
 # MLflow: where the Checkpointer's goodput and the loader's metrics go by default (seconds to import).
 DEFAULT_PRELOAD_MODULES = ("torch", "ray.train.torch", "ray_resilient", "mlflow")
@@ -79,6 +79,13 @@ def helper_runtime_env() -> dict[str, dict[str, str]]:
     would inherit the worker's, and with it the preload (torch, Ray Train: seconds before it
     answers, in every restart); with this its process imports only what it uses."""
     return {"env_vars": {PRELOAD_ENV: ""}}
+
+
+def spares_by_default() -> bool:
+    """Whether a driver asks for spares when its configuration does not say: yes, unless its
+    environment sets ``RAY_RESILIENT_SPARE_WORKERS=0`` (few cores, which the spares' imports would
+    take from training; a run no restart follows)."""
+    return os.environ.get(SPARE_WORKERS_ENV, "1") != "0"
 
 
 def spares_enabled() -> bool:

@@ -21,6 +21,7 @@ import torch
 from ray_resilient import list_checkpoints
 from ray_resilient.faults import parse_faults
 from ray_resilient.goodput import read_events
+from ray_resilient.spare_workers import SPARE_WORKERS_ENV
 from ray_resilient.testing import make_image_volume, wait_until
 
 REPO = Path(__file__).parent.parent
@@ -58,7 +59,7 @@ def test_readme_shows_the_quickstart_example(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_example_trains_and_resumes(image_dir, tmp_path, driver_env):
-    env = driver_env  # RAY_ADDRESS: the session's cluster
+    env = {**driver_env, SPARE_WORKERS_ENV: "0"}  # the session's cluster; no restart follows either run
     cmd = [sys.executable, str(REPO / "examples" / "quickstart.py"), image_dir, str(tmp_path / "runs"), "2"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
@@ -158,7 +159,7 @@ def exported_model_accuracy(model_file: Path, val_dir: Path) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--survivors"]], ids=["mainline", "survivors"])
-def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(mode, tmp_path, request):
+def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(mode, tmp_path, request, driver_env):
     """The README's first command's job, exactly (its arguments and its kill), against the README's
     promise; then the same job uninterrupted: the kill must not change what the job learns, down to
     the last bit of the ResNet's whole state (parameters and BatchNorm buffers). The same with
@@ -166,13 +167,13 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(mode,
     arguments = demo_job_arguments() + mode
     assert "--faults" in arguments, "scripts/demo.sh no longer injects its kill"
     assert f"above {PROMISED_VAL_ACCURACY:.0%} validation accuracy" in " ".join((REPO / "README.md").read_text().split())
-    # The uninterrupted job runs alongside (each on a Ray instance of its own, each with its own
-    # MLflow store): half of each run is Ray and its workers starting, which overlaps.
+    # The uninterrupted job runs alongside, on the session's cluster with an MLflow store of its
+    # own (half of each run is Ray and its workers starting, which overlaps), and without spare
+    # workers: no restart follows, their imports would only take CPU from the two jobs.
     faults = arguments.index("--faults")
     without_kill = arguments[:faults] + arguments[faults + 2:]
     alongside = ImageJob.start(tmp_path / "uninterrupted", without_kill, {
-        **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/uninterrupted/mlflow.db"})
+        **driver_env, SPARE_WORKERS_ENV: "0", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/uninterrupted/mlflow.db"})
     request.addfinalizer(alongside.process.kill)
     log, killed = run_image_job(tmp_path / "killed", arguments)
     for fault in parse_faults(arguments[arguments.index("--faults") + 1]):

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from ray_resilient.spare_workers import SPARE_WORKERS_ENV
+
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "quickstart.ipynb"
 
 
@@ -18,6 +20,8 @@ def test_quickstart_notebook_trains_and_reports(tmp_path, ray_cluster, monkeypat
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     os.symlink(NOTEBOOK.parent.parent / "jobs", tmp_path / "jobs")
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster)  # the kernel's trainer.fit() attaches to the session's cluster
+    # No spare workers: the first run has no restart, the second's replacement joins survivors that train on.
+    monkeypatch.setenv(SPARE_WORKERS_ENV, "0")
     NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for out in cell.get("outputs", []))

@@ -7,7 +7,8 @@ from ray_resilient import recommended_ray_config, spare_workers
 from ray_resilient._ray_internals import worker_setup_hook_env_var
 
 
-def test_the_recommended_config_gives_workers_the_preload_hook_and_turns_spares_on():
+def test_the_recommended_config_gives_workers_the_preload_hook_and_turns_spares_on(monkeypatch):
+    monkeypatch.delenv(spare_workers.SPARE_WORKERS_ENV, raising=False)
     config = recommended_ray_config("run", "/tmp/storage", workers=2, preload=("torch", "torchvision"))
     env = config.run_config.worker_runtime_env["env_vars"]
     assert env[worker_setup_hook_env_var()] == "ray_resilient.spare_workers.preload_modules"
@@ -18,6 +19,13 @@ def test_the_recommended_config_gives_workers_the_preload_hook_and_turns_spares_
     assert wide.run_config.worker_runtime_env["env_vars"]["OMP_NUM_THREADS"] == "4"
     off = recommended_ray_config("run", "/tmp/storage", workers=2, spare_workers=False)
     assert not off.run_config.worker_runtime_env
+
+
+def test_a_driver_environment_turns_spares_off_unless_the_config_asks_for_them(monkeypatch):
+    monkeypatch.setenv(spare_workers.SPARE_WORKERS_ENV, "0")
+    assert not recommended_ray_config("run", "/tmp/storage", workers=2).run_config.worker_runtime_env
+    asked = recommended_ray_config("run", "/tmp/storage", workers=2, spare_workers=True)
+    assert asked.run_config.worker_runtime_env["env_vars"][spare_workers.SPARE_WORKERS_ENV] == "1"
 
 
 def test_preload_names_that_cannot_be_passed_are_refused():
