@@ -293,7 +293,8 @@ EOF
 
   start_bg s3 "${node_env[@]}" "${RIG[@]}" s3-server "$STATE/s3" --bucket "$BUCKET" --port "$S3_PORT" --timeout 120
   # MLflow's job runner (huey consumers: five processes) serves its GenAI jobs, which no run here uses.
-  start_bg mlflow "${node_env[@]}" MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$VENV_BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
+  start_bg mlflow "${node_env[@]}" MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
+    "$VENV_BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
     --backend-store-uri "sqlite:///$STATE/mlflow/mlflow.db" --artifacts-destination "$STATE/mlflow/artifacts"
   local temp_dir_arg=()
   [[ -z $RAY_TEMP_DIR ]] || temp_dir_arg=(--temp-dir="$RAY_TEMP_DIR")

@@ -62,7 +62,7 @@ RANK = textwrap.dedent("""
         stuck_in_the_training_thread()
     elif mode == "stop":  # waited 0.6 s in 3 steps (allowed 6 s), then trains on until the test stops it
         os.setsid()  # its own process group, as a Ray worker leads one, with a DataLoader worker in it
-        loader_worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        loader_worker = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
         print(loader_worker.pid, flush=True)
         for step in range(3):
             time.sleep(0.6)  # in a collective, waiting for another rank's evaluation
