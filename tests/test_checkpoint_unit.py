@@ -196,7 +196,8 @@ def test_cuda_state_stages_to_pinned_memory_and_round_trips(storage):
     writer.close()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(1)
-    restored = TrainingComponents(torch.nn.Linear(64, 64).cuda(), torch.optim.Adam(model.parameters()))
+    fresh = torch.nn.Linear(64, 64).cuda()
+    restored = TrainingComponents(fresh, torch.optim.Adam(fresh.parameters()))
     plan = find_complete_checkpoints(storage, None)
     assert load_newest_loadable(storage, plan.candidates, restored, 0, 1, None) is not None
     for key, value in expected.items():

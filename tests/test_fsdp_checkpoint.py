@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ray_resilient.checkpoint.layout import checkpoint_dir_name, list_checkpoints
@@ -30,11 +31,14 @@ FEATURES, HIDDEN, CLASSES = 64, 4097, 5  # 4097 rows: uneven shards on 2 and 3 r
 
 
 def sharded_model(seed: int) -> torch.nn.Module:
+    """Sharded over a CPU mesh of the gloo ranks (``fully_shard``'s default mesh is on CUDA where a
+    GPU exists, which these host-memory ranks do not use)."""
     torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
     for layer in (model[0], model[2]):
-        fully_shard(layer)
-    return fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
