@@ -9,12 +9,17 @@ Setup
     records the driver's ``job_start`` in the run's goodput ledger). Storage is local disk.
 
     The job (``ray_resilient.testing.ChaosJob``), the same in every run: ``--steps`` steps (4
-    epochs of 50 global batches) of an MLP (32 -> 2529, then 7 square 2529 x 2529 layers, -> 4;
-    fp32) with Adam: 44.9M parameters, so parameters plus Adam's two moments take 514 MiB
-    (``--state-mb``, at least 512). A step is ``--step-seconds`` of ``time.sleep`` emulating
-    accelerator compute, then one real forward/backward/``optimizer.step()`` on the rank's 8
-    samples of a 16-sample global batch of ``SyntheticBatches`` (``--samples`` 800, the order a
-    pure function of (seed, epoch)); in DDP 171 MiB of gradients are all-reduced a step over gloo.
+    epochs of 50 global batches) of the main job's model, torchvision's ResNet-18 (11.2M
+    parameters, BatchNorm; fp32) with Adam, so parameters plus Adam's two moments take 128 MiB,
+    on the main job's data: the volume dataset (``VolumeImageDataset`` through a
+    ``VolumeDataLoader``, one loader worker a rank, the main job's augmentation at
+    ``--image-size`` 32) over ``--samples`` 800 JPEGs of 4 shapes that ``make_image_volume``
+    writes to local disk first, the order a pure function of (seed, epoch). A step is
+    ``--step-seconds`` of ``time.sleep`` emulating accelerator compute, then one real
+    forward/backward/``optimizer.step()`` on the rank's 8 samples of a 16-sample global batch; in
+    DDP 43 MiB of gradients are all-reduced a step over gloo. ``--model mlp`` trains instead an
+    MLP (32 -> 2529, then 7 square 2529 x 2529 layers, -> 4) on ``SyntheticBatches``: 44.9M
+    parameters, a 514 MiB state (``--state-mb``, at least 512), 171 MiB of gradients a step.
 
     Kills: ``--kills`` (4) in one seeded schedule for every run, in wall-clock time from ``fit()``
     (``timed_kill_schedule``): gaps drawn uniformly from [0.75, 1.25] x ``--mtbf`` (60 s), each
@@ -41,9 +46,11 @@ The three runs
                the same ledger events as the checkpointer does.
     survivors  the kit's survivor loop (``train_survivors``), ``recommended_ray_config(...,
                survivors=True)``: each worker a whole replica (no DDP), the global batch cut into
-               ``--workers`` micro-batches of 8, each micro-batch's gradient a row of one gloo
-               all-gather (at 2 workers 171 MiB each way, as DDP's all-reduce, but after the
-               backward pass). A kill makes the survivor drop the step in flight and train it
+               ``--workers`` micro-batches of 8 that each replica reads from the same volume
+               dataset, each micro-batch's gradient a row of the exchange (a gloo all-to-all and
+               all-gather: at 2 workers what DDP's all-reduce moves, but after the backward
+               pass); BatchNorm's running statistics merged over the step's micro-batches in
+               order. A kill makes the survivor drop the step in flight and train it
                again alone; Ray replaces only the dead worker, which copies the state from the
                survivor and joins at a step boundary. The lead saves a DCP checkpoint every
                ``--survivor-interval`` steps (50: the safety net for losing the whole job).
@@ -76,8 +83,8 @@ The last line printed is the summary the issue asks for (the line before it: ``s
 
 Results, their tables and timelines: ``docs/goodput_chaos.md``.
 
-Run: ``python benchmarks/goodput_chaos.py`` (about 18 minutes on a quiet machine; ``--steps 60
---state-mb 64 --mtbf 25`` for a quick try of the mechanics). The PNG timelines go to
+Run: ``python benchmarks/goodput_chaos.py`` (about 20 minutes on a quiet machine; ``--steps 60
+--mtbf 25`` for a quick try of the mechanics). The PNG timelines go to
 ``--figures`` (default ``docs/``).
 """
 
@@ -102,12 +109,14 @@ from ray_resilient.testing import (
     Worker,
     chaos_cluster,
     experiment_dir,
+    CLASSES,
     finite_median,
     fit_on,
     foreign_cpu,
+    job_model,
     kept_samples,
     kill_moments,
-    mlp,
+    make_image_volume,
     planned_samples,
     sample_errors,
     survivor_pauses,
@@ -129,12 +138,12 @@ def model_width(state_mb: float) -> int:
     return math.ceil(math.sqrt(state_mb * 2**20 / ADAM_BYTES_PER_PARAM / HIDDEN_LAYERS))
 
 
-def state_mib(width: int) -> float:
-    """fp32 parameters + Adam's two moments of the job's MLP at ``width``, MiB (counted on the meta device)."""
+def state_mib(job: ChaosJob) -> float:
+    """fp32 parameters + Adam's two moments of the job's model, MiB (counted on the meta device)."""
     import torch
 
     with torch.device("meta"):
-        params = sum(p.numel() for p in mlp(width, HIDDEN_LAYERS).parameters())
+        params = sum(p.numel() for p in job_model(job).parameters())
     return params * ADAM_BYTES_PER_PARAM / 2**20
 
 
@@ -186,7 +195,7 @@ class NaiveCheckpoints:
             self.worker.module.load_state_dict(state["model"])
             self.worker.optimizer.load_state_dict(state["optimizer"])
             saved = self.last_saved = state["step"]
-        per_epoch = self.worker.data.batches_per_epoch
+        per_epoch = self.worker.batches_per_epoch
         resumed = saved // per_epoch * per_epoch
         self.policy.restored(resumed)
         self.mark = time.time()
@@ -237,7 +246,7 @@ def train_naive(config: dict[str, Any]) -> None:
     worker = Worker(config)
     ckpt = NaiveCheckpoints(worker)
     saved, step = ckpt.restore()
-    worker.data.load_state_dict({"epoch": step // worker.data.batches_per_epoch, "consumed": 0})
+    worker.start_epoch(step // worker.batches_per_epoch)
     worker.record(RecordKind.RESTORED, step=saved, resumed=step)
     step = worker.train(step, ckpt.step_completed)
     ckpt.finish(step, worker.data.epoch)
@@ -346,7 +355,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
 
 def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, schedule: list[list[float]],
                   state_size_mib: float) -> None:
-    print(f"\nGoodput under chaos: {args.steps} steps of a {state_size_mib:.0f} MiB training state (fp32 MLP + Adam), "
+    data = "synthetic data" if args.model == "mlp" else f"an image volume of {args.samples} JPEGs"
+    print(f"\nGoodput under chaos: {args.steps} steps of a {state_size_mib:.0f} MiB training state (fp32 "
+          f"{args.model} + Adam) on {data}, "
           f"{args.workers} workers, {args.step_seconds}s emulated compute + a real DDP step each; kills about one "
           f"every {args.mtbf:.0f}s of wall clock (MTBF given to the planner: {args.mtbf:.0f}s)")
     print("kill schedule (s after fit() started, rank): "
@@ -390,8 +401,12 @@ def print_results(results: dict[str, dict[str, Any]], args: argparse.Namespace, 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200, help="training steps of the job (default: 200)")
+    parser.add_argument("--model", default="resnet18",
+                        help='the job\'s model: a torchvision model name, on an image volume (default: resnet18, '
+                             'the main job\'s); "mlp": an MLP of --state-mb on synthetic data')
     parser.add_argument("--state-mb", type=float, default=512,
-                        help="training state, MiB: fp32 parameters + Adam moments (default: 512)")
+                        help="with --model mlp, its training state, MiB: fp32 parameters + Adam moments (default: 512)")
+    parser.add_argument("--image-size", type=int, default=32, help="training image side in pixels (default: 32)")
     parser.add_argument("--step-seconds", type=float, default=0.3,
                         help="emulated accelerator compute per step, before the real CPU step (default: 0.3)")
     parser.add_argument("--mtbf", type=float, default=60.0,
@@ -400,7 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--survivor-interval", type=int, default=50,
                         help="survivor mode's checkpoint interval, steps: its safety net for losing the whole job, "
                              "which no kill here does (default: 50, an epoch)")
-    parser.add_argument("--samples", type=int, default=800, help="synthetic samples per epoch (default: 800)")
+    parser.add_argument("--samples", type=int, default=800,
+                        help=f"samples per epoch: images, {CLASSES} classes (default: 800)")
     parser.add_argument("--global-batch", type=int, default=16, help="global batch size (default: 16)")
     parser.add_argument("--workers", type=int, default=2, help="Ray Train workers (default: 2)")
     parser.add_argument("--node-cpus", type=int, default=2, help="CPUs of the worker node (default: 2)")
@@ -415,12 +431,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     schedule = timed_kill_schedule(args.seed, args.mtbf, args.kills, args.workers)
-    job = ChaosJob(seed=args.seed, samples=args.samples, global_batch=args.global_batch, max_steps=args.steps,
-                   step_seconds=args.step_seconds, width=model_width(args.state_mb), square_layers=HIDDEN_LAYERS,
-                   optimizer="adam", interval="auto", mtbf_s=args.mtbf, kill_schedule=schedule)
-    jobs = {RESILIENT: job, NAIVE: job, SURVIVORS: replace(job, interval=args.survivor_interval)}
     args.figures.mkdir(parents=True, exist_ok=True)
     with experiment_dir("goodput-chaos-", args.keep) as root:
+        job = ChaosJob(seed=args.seed, samples=args.samples, global_batch=args.global_batch, max_steps=args.steps,
+                       step_seconds=args.step_seconds, width=model_width(args.state_mb), square_layers=HIDDEN_LAYERS,
+                       model=args.model, image_size=args.image_size, optimizer="adam", interval="auto",
+                       mtbf_s=args.mtbf, kill_schedule=schedule)
+        if args.model != "mlp":
+            import pyarrow.fs as pafs
+
+            volume = root / "volume"
+            samples = make_image_volume(pafs.LocalFileSystem(), str(volume), classes=CLASSES,
+                                        per_class=args.samples // CLASSES, size=args.image_size, seed=args.seed)
+            job = replace(job, volume=str(volume), samples=samples)
+        jobs = {RESILIENT: job, NAIVE: job, SURVIVORS: replace(job, interval=args.survivor_interval)}
         fits, foreign = {}, {}
         with chaos_cluster(root, args.node_cpus, import_dirs=[BENCHMARKS]) as cluster:
             for run in RUNS:
@@ -434,7 +458,7 @@ def main() -> None:
         results = {run: analyse(run, fits[run], foreign[run], jobs[run], args) for run in (RESILIENT, NAIVE)}
         results[SURVIVORS] = analyse(SURVIVORS, fits[SURVIVORS], foreign[SURVIVORS], jobs[SURVIVORS], args,
                                      whole_group_step=results[RESILIENT]["breakdown"].reference_step_seconds)
-        print_results(results, args, schedule, state_mib(job.width))
+        print_results(results, args, schedule, state_mib(job))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from ray_resilient._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
-    from ray_resilient.testing.chaos_job import ChaosJob, Worker, mlp, train_replica, train_restarting, train_survivors
+    from ray_resilient.testing.chaos_job import (
+        ChaosJob, Worker, job_model, train_replica, train_restarting, train_survivors,
+    )
     from ray_resilient.testing.driver import Driver, DriverError, run_driver
     from ray_resilient.testing.experiment import (
         PHASES, RESTART_DETAIL, SETUP_MARKS, Fit, Kill, Pause, chaos_cluster, committed_micro_batches, discarded_steps,
@@ -49,7 +51,7 @@ _EXPORTS = {
     "wait_until": "waiting",
     "ChaosJob": "chaos_job",
     "Worker": "chaos_job",
-    "mlp": "chaos_job",
+    "job_model": "chaos_job",
     "train_replica": "chaos_job",
     "train_restarting": "chaos_job",
     "train_survivors": "chaos_job",

@@ -1,7 +1,8 @@
 """The job of the experiment kit and the loops that train it, in Ray Train's workers.
 
-:class:`ChaosJob` describes it (an MLP on :class:`SyntheticBatches`, emulated accelerator compute,
-the checkpoint interval and the kills); :class:`Worker` builds it in one worker; the train
+:class:`ChaosJob` describes it (an MLP on :class:`SyntheticBatches`, or a torchvision model such as
+the main job's ResNet-18 on an image volume through :class:`~ray_resilient.data.VolumeDataLoader`;
+emulated accelerator compute, the checkpoint interval and the kills); :class:`Worker` builds it in one worker; the train
 functions run it in whole-group restart mode (:func:`train_restarting`) or survivor mode
 (:func:`train_survivors`, whose loop :func:`train_replica` the tests run too). A benchmark's own
 baseline builds on :class:`Worker`. Every loop writes the kit's records (:mod:`.records`).
@@ -31,9 +32,13 @@ NOISE = 0.01  # dropout-like input noise of the survivor loop (see train_replica
 class ChaosJob:
     """The job an experiment trains; it travels as the train function's config (``asdict``).
 
-    An MLP (``FEATURES`` -> ``square_layers`` square ``Linear`` layers of ``width`` -> ``CLASSES``)
-    on :class:`SyntheticBatches` (``samples`` an epoch, ``global_batch``, the order from ``seed``)
-    for ``max_steps`` steps. A step is ``step_seconds`` of ``time.sleep`` standing in for the
+    ``model`` "mlp": an MLP (``FEATURES`` -> ``square_layers`` square ``Linear`` layers of ``width``
+    -> ``CLASSES``); or a torchvision classification model by name (the main job's "resnet18", with
+    BatchNorm), for ``CLASSES`` classes. Its data: :class:`SyntheticBatches` (``samples`` an epoch,
+    ``global_batch``, the order from ``seed``); or with ``volume`` (a directory or URI in ImageFolder
+    layout of ``samples`` images of ``CLASSES`` classes, :func:`make_image_volume`'s) the volume
+    dataset the main job reads, its images at ``image_size`` pixels, ``loader_workers`` DataLoader
+    workers a rank. It trains ``max_steps`` steps. A step is ``step_seconds`` of ``time.sleep`` standing in for the
     accelerator's compute (per micro-batch in survivor mode), then a real forward/backward/optimizer
     step: ``optimizer`` "sgd" (momentum 0.9, lr 0.01) or "adam" (lr 1e-5).
     """
@@ -45,6 +50,10 @@ class ChaosJob:
     step_seconds: float
     width: int = 512
     square_layers: int = 2
+    model: str = "mlp"
+    volume: str = ""
+    image_size: int = 32
+    loader_workers: int = 1
     optimizer: str = "sgd"
     interval: int | str = 20  # steps between checkpoints; "auto": the planner's, from mtbf_s
     mtbf_s: float | None = None
@@ -58,16 +67,38 @@ class ChaosJob:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
 
 
-def mlp(width: int, square_layers: int) -> Any:
-    """The job's model: FEATURES -> ``square_layers`` square layers of ``width`` -> CLASSES, with ReLUs."""
+def mlp(width: int, square_layers: int, features: int | None = None) -> Any:
+    """An MLP: ``features`` (default FEATURES; its input flattened) -> ``square_layers`` square layers
+    of ``width`` -> CLASSES, with ReLUs."""
     import torch
 
     from ray_resilient.testing.synthetic_data import CLASSES, FEATURES
 
-    layers: list[torch.nn.Module] = [torch.nn.Linear(FEATURES, width), torch.nn.ReLU()]
+    layers: list[torch.nn.Module] = [torch.nn.Flatten(), torch.nn.Linear(features or FEATURES, width), torch.nn.ReLU()]
     for _ in range(square_layers):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, CLASSES))
+
+
+def job_model(job: ChaosJob) -> Any:
+    """The job's model, its weights drawn from torch's global RNG."""
+    if job.model == "mlp":
+        return mlp(job.width, job.square_layers, 3 * job.image_size ** 2 if job.volume else None)
+    import torchvision
+
+    from ray_resilient.testing.synthetic_data import CLASSES
+
+    return torchvision.models.get_model(job.model, num_classes=CLASSES)
+
+
+def volume_loader(job: ChaosJob, rank: int, world_size: int) -> Any:
+    """The job's :class:`~ray_resilient.data.VolumeDataLoader` for ``rank`` of ``world_size``: the
+    main job's training augmentation, no metrics logged."""
+    from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform
+
+    dataset = VolumeImageDataset(Volume(job.volume), global_batch=job.global_batch, rank=rank, world_size=world_size,
+                                 seed=job.seed, transform=default_transform(job.image_size))
+    return VolumeDataLoader(dataset, num_workers=job.loader_workers, metrics_logger=None)
 
 
 class TimedKills:
@@ -120,12 +151,17 @@ class Worker:
         self.record(RecordKind.START, t=entered, world_size=self.world, preloaded=preloaded)
         self.record(RecordKind.IMPORTED)
         torch.manual_seed(job.seed)
-        self.module = mlp(job.width, job.square_layers)
+        self.module = job_model(job)
         self.model = self.module if replica else prepare_model(self.module)
         self.optimizer = (torch.optim.Adam(self.model.parameters(), lr=1e-5) if job.optimizer == "adam"
                           else torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9))
-        self.data = SyntheticBatches(job.samples, job.global_batch, job.seed,
-                                     *((0, 1) if replica else (self.rank, self.world)))
+        if job.volume:  # a replica's micro-batches are assigned it step by step (survivor mode)
+            self.data = volume_loader(job, self.rank, self.world)
+            self.batches_per_epoch = self.data.volume_dataset.batches_per_epoch(0)
+        else:
+            self.data = SyntheticBatches(job.samples, job.global_batch, job.seed,
+                                         *((0, 1) if replica else (self.rank, self.world)))
+            self.batches_per_epoch = self.data.batches_per_epoch
         self.kills = TimedKills(job.kill_schedule, job.t0, self.rank, Path(job.record_dir) / "kills", self.record)
         self.record(RecordKind.MODEL_READY)
 
@@ -137,7 +173,8 @@ class Worker:
 
         first = True
         while step < self.job.max_steps:
-            for ids, x, y in self.data:
+            for item in self.data:
+                ids, x, y = (item.sample_ids, item.images, item.labels) if self.job.volume else item
                 if first:
                     self.record(RecordKind.FIRST_BATCH, step=step)
                     first = False
@@ -148,12 +185,20 @@ class Worker:
                 self.optimizer.step()
                 step += 1
                 # Before step_completed: a step fault fires inside it, after this record.
-                self.record(RecordKind.STEP, step=step, epoch=self.data.epoch, parts={self.rank: ids.tolist()})
-                step_completed(step, self.data.epoch)
+                epoch = (step - 1) // self.batches_per_epoch  # the batch's: a VolumeDataLoader has moved on
+                self.record(RecordKind.STEP, step=step, epoch=epoch, parts={self.rank: ids.tolist()})
+                step_completed(step, epoch)
                 self.kills.check(step)
                 if step >= self.job.max_steps:
                     break
         return step
+
+    def start_epoch(self, epoch: int) -> None:
+        """Position the data at the first global batch of ``epoch``."""
+        if self.job.volume:
+            self.data.epoch, self.data.batch = epoch, 0
+        else:
+            self.data.load_state_dict({"epoch": epoch, "consumed": 0})
 
 
 def train_restarting(config: dict[str, Any]) -> None:
@@ -184,11 +229,12 @@ def train_survivors(config: dict[str, Any]) -> None:
 
 
 def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, max_steps: int, step_seconds: float,
-                  digest: bool = False, after_step: Callable[[int], None] | None = None, **options: Any) -> bool:
+                  digest: bool = False, after_step: Callable[[int], None] | None = None, flatten_images: bool = False,
+                  **options: Any) -> bool:
     """The survivor-mode loop: ``SurvivingReplicas(model, optimizer, **options)`` trains global
     batches of ``data`` until ``max_steps``: a :class:`SyntheticBatches` of the whole batch, or a
-    :class:`~ray_resilient.data.VolumeDataLoader` (its images flattened), which survivor mode
-    then gives each replica its micro-batches.
+    :class:`~ray_resilient.data.VolumeDataLoader` (its images flattened with ``flatten_images``),
+    which survivor mode then gives each replica its micro-batches.
 
     A micro-batch is ``step_seconds`` of emulated compute, then the loss of the model on its
     samples with a little input noise: drawn from the stream survivor mode derives per
@@ -209,7 +255,7 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
     def loss_of(step: int, part: int) -> torch.Tensor:
         if volume:
             batch = data.micro_batch(step, part)
-            ids, x, y = batch.sample_ids, batch.images.flatten(1), batch.labels
+            ids, x, y = batch.sample_ids, batch.images.flatten(1) if flatten_images else batch.images, batch.labels
         else:
             ids, x, y = data.micro_batch(step, part, replicas.micro_batches)
         trained_by[:] = replicas.members

@@ -318,10 +318,18 @@ def _membership(record: dict[str, Any]) -> tuple[int, ...] | None:
 
 def planned_samples(job: ChaosJob) -> Counter:
     """(epoch, sample id) of the ``job.max_steps`` global batches of an uninterrupted run."""
+    planned: Counter = Counter()
+    if job.volume:
+        from ray_resilient.data import SamplePlan
+
+        plan = SamplePlan(job.samples, job.global_batch, 1, job.seed)
+        for step in range(job.max_steps):
+            epoch, batch = divmod(step, plan.batches_per_epoch)
+            planned.update((epoch, int(i)) for i in plan.global_batch_indices(epoch, batch))
+        return planned
     from ray_resilient.testing.synthetic_data import SyntheticBatches
 
     data = SyntheticBatches(job.samples, job.global_batch, job.seed, 0, 1)
-    planned: Counter = Counter()
     for step in range(job.max_steps):
         planned.update((step // data.batches_per_epoch, i) for i in data.micro_batch(step, 0, 1)[0].tolist())
     return planned
