@@ -5,7 +5,8 @@ a nested state dict into the keys ``.metadata`` records, and its setter of a val
 (restore, loading without running code); the private classes a ``.metadata`` pickle refers to;
 the parts of DCP's ``FileSystemReader`` a reader on another filesystem replaces, and the file
 name of a written shard (``_StorageInfo``); a DTensor's local shard (staging); the prefix
-``torch.compile`` puts on a model's keys; gloo's group options (survivor mode's groups). Nothing
+``torch.compile`` puts on a model's keys; gloo's group options (survivor mode's groups); dynamo's
+callbacks around each compilation (the hang watchdog's allowance for a compile). Nothing
 else in the repository imports a private torch module or touches a private torch name
 (``tests/test_layering.py``).
 
@@ -100,3 +101,24 @@ def gloo_group(store: dist.Store, rank: int, size: int, timeout: datetime.timede
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def on_compilations(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:
+    """Call ``started`` when a ``torch.compile`` compilation begins in this process and ``ended``
+    when it ends (dynamo's callbacks: once around nested compilations); a function that stops it."""
+    from torch._dynamo.callback import callback_handler  # imported here: importing dynamo takes a while
+
+    def start(*_: Any) -> None:
+        started()
+
+    def end(*_: Any) -> None:
+        ended()
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+
+    def stop() -> None:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+
+    return stop

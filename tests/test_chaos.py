@@ -79,6 +79,9 @@ def killed_at_step_8(ray_cluster, tmp_path_factory) -> dict[str, Any]:
 def test_a_restarted_worker_group_starts_on_spare_processes_warmed_before_the_failure(reference, killed_at_step_8):
     record = killed_at_step_8["record"]
     assert killed_at_step_8["result"].error is None
+    # A death is no hang: rank 0, left waiting for the killed rank 1, is not declared.
+    events = read_events(pafs.LocalFileSystem(), str(killed_at_step_8["run_dir"]))
+    assert not [e for e in events if e["kind"] == "hang"]
     first, second = zip(*(trainlib.read_attempts(str(record), rank) for rank in (0, 1)))
     killed = [json.loads(line) for line in open(record / f"samples-rank1-{first[1]['attempt']}.jsonl")]
     assert killed[-1]["step"] == 8
@@ -335,7 +338,8 @@ def test_a_stopped_worker_is_declared_hung_within_seconds_and_the_run_ends_bitwi
     """Rank 1 of the test job is SIGSTOPped from outside once it trained 8 steps (0.1 s steps) and
     the watchdog hears both ranks (the ranks train on while it starts: they hold at step 8 until
     the test released them, then the stop lands wherever rank 1 is). Its heartbeats stop; the
-    hang watchdog declares it hung after the 5 s floor (10 x its p99 step is 1 s), kills it, and
+    hang watchdog declares it hung once it was silent for 2 s (more where heartbeats arrived late
+    on a loaded machine), kills it, and
     Ray restarts the worker group at once (its own worker health check would wait 600 s). The run
     ends bitwise like the uninterrupted one; the ledger, the breakdown and the report show the hang."""
     import signal
@@ -370,7 +374,7 @@ def test_a_stopped_worker_is_declared_hung_within_seconds_and_the_run_ends_bitwi
     events = read_events(pafs.LocalFileSystem(), str(storage / "hang"))
     hang, = [e for e in events if e["kind"] == "hang"]
     assert hang["hung_rank"] == 1 and hang["pid"] == stopped and "does not answer" in hang["error"]
-    assert 5.0 <= hang["t"] - hang["t_start"] < 8.0 and hang["t"] - stopped_at < 8.0, hang
+    assert hang["silent"] and 2.0 <= hang["t"] - hang["t_start"] < 8.0 and hang["t"] - stopped_at < 8.0, hang
     breakdown = account(events)
     assert 0.8 * (hang["t"] - hang["t_start"]) <= breakdown.hang <= hang["t"] - hang["t_start"]
     assert breakdown.failures == 1

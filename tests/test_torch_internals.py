@@ -169,3 +169,22 @@ def test_a_gloo_group_takes_its_timeout_and_device_from_private_options():
     tensor = torch.ones(3)
     group.allreduce([tensor]).wait()
     assert torch.equal(tensor, torch.ones(3)) and group.options._timeout == timeout
+
+
+def test_each_compilation_is_announced_before_its_backend_runs_and_after_it_ends():
+    events = []
+
+    def backend(graph, inputs):
+        events.append("backend")
+        return graph.forward
+
+    stop = _torch_internals.on_compilations(lambda: events.append("started"), lambda: events.append("ended"))
+    compiled = torch.compile(torch.nn.Linear(2, 2), backend=backend)
+    compiled(torch.zeros(1, 2))
+    compiled(torch.zeros(3, 2, 2))
+    stop()
+    assert events[:3] == ["started", "backend", "ended"]
+    assert "".join(e[0] for e in events).replace("sbe", "") == ""  # every compilation announced around it
+    announced = len(events)
+    torch.compile(lambda x: x + 1, backend=backend)(torch.zeros(2))  # stopped: compiled, not announced
+    assert events[announced:] == ["backend"]

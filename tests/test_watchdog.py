@@ -4,7 +4,8 @@ Each rank process reports steps, then does what its mode says: its training thre
 (its heartbeats go on), it trains on until it is stopped from outside (SIGSTOP: nothing goes on),
 it gets stuck inside a long step after long steps that ticked, it runs a long evaluation that
 reports its phases, a long step that ticks, a long wait for data that other processes read, or it
-stages a slow save. Only the first three are hangs.
+stages a slow save. Only the first three are hangs. Others die (with a forked child that outlives
+them, as a DataLoader worker does), fail, pause at a fixed step of the run, or are starved of CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pyarrow.fs as pafs
@@ -34,16 +36,17 @@ from ray_resilient.storage import RunStorage
 from ray_resilient.testing import wait_until
 from ray_resilient.watchdog.monitor import HangWatchdog
 from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
-from ray_resilient.watchdog.step_hooks import TICKING_MODULES, tick_inside_steps
+from ray_resilient.watchdog.step_hooks import TICKING_MODULES, hold_during_compilations, tick_inside_steps
 
 RANK = textwrap.dedent("""
     import json, os, subprocess, sys, threading, time
     from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
-    host, port, rank, node_id, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    host, port, secret, rank, node_id, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), \
+        sys.argv[5], sys.argv[6]
     config = HangWatchdogConfig(floor_s=2.5, gap_multiple=10, startup_allowance_s=6.0, startup_steps=2)
     identity = {"rank": rank, "pid": os.getpid(), "host": "localhost", "node_id": node_id}
     samples_read = [0]  # what a data loader's worker processes read
-    progress = ProgressReporter(config, lambda: (host, port), identity, [lambda: samples_read[0]])
+    progress = ProgressReporter(config, lambda: (host, port, secret), identity, [lambda: samples_read[0]])
 
     def stuck_in_the_training_thread():
         threading.Event().wait()  # a collective that never returns (the test kills what is left)
@@ -96,6 +99,23 @@ RANK = textwrap.dedent("""
     elif mode == "slow_save":  # staging its first save for 4 s: that is allowed the startup allowance
         progress.saving("save", None)
         time.sleep(4)
+    elif mode == "dies":  # forks a child that outlives it (a DataLoader worker), then waits to be killed
+        if os.fork() == 0:
+            threading.Event().wait()
+        print("forked", flush=True)
+        stuck_in_the_training_thread()
+    elif mode == "fails":  # an exception in its training thread: it says goodbye, failing
+        progress.close(failed=True)
+        stuck_in_the_training_thread()
+    elif mode == "pauses_at_step_9":  # steps 6 to 9 of the run, then 3.5 s in one call without progress
+        for step in range(6, 10):
+            time.sleep(0.05)
+            progress.step(step)
+        time.sleep(3.5)
+    elif mode == "starved":  # steps on until the test has starved it (stopped it now and then) and says so
+        while not os.path.exists(sys.argv[7]):
+            time.sleep(0.05)
+            progress.step()
     for step in range(5):
         time.sleep(0.05)
         progress.step()
@@ -111,11 +131,11 @@ def gone(pid: int) -> bool:
         return True
 
 
-def start_ranks(watchdog, modes: list[str]) -> dict[str, subprocess.Popen]:
-    host, port = ray.get(watchdog.start.remote())
+def start_ranks(watchdog, modes: list[str], *extra: str) -> dict[str, subprocess.Popen]:
+    host, port, secret = ray.get(watchdog.start.remote())
     node_id = ray.get_runtime_context().get_node_id()
-    ranks = {mode: subprocess.Popen([sys.executable, "-c", RANK, host, str(port), str(rank), node_id, mode],
-                                    stdout=subprocess.PIPE, text=True)
+    ranks = {mode: subprocess.Popen([sys.executable, "-c", RANK, host, str(port), secret, str(rank), node_id, mode,
+                                     *extra], stdout=subprocess.PIPE, text=True)
              for rank, mode in enumerate(modes)}
     for process in ranks.values():
         assert process.stdout.readline() == "trained\n"
@@ -130,7 +150,8 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
     stuck one, with its stack. In another, one rank is stopped and another waits for it (stalled
     too, but still answering, as in a collective): the stopped one is declared, though both
     stalled, after the smaller of their allowances (the stopped one's is larger: it waited for
-    the other's evaluations), and killed with its DataLoader worker (its process group). In the
+    the other's evaluations; silence is judged apart, after 2 s), and killed with its DataLoader
+    worker (its process group). In the
     third, rank 1 was stopped before it reached the watchdog (the watchdog knows it only from
     the identity rank 0 passed): it is declared and killed, not rank 0, which waits for it. In
     the fourth, a rank whose steps take 1 s but tick every 0.05 s gets stuck inside a step:
@@ -173,11 +194,12 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
     assert stuck["hung_rank"] == stuck_modes.index("stuck") and stopped["hung_rank"] == stopped_modes.index("stop")
     # Each after the 2.5 s floor (10 x the p99 stretch without progress, 0.05 s, is less; the stuck
     # one once the others stopped progressing): the one in long steps too (10 x its 1 s steps would
-    # be 10 s), the stopped one too (its own allowance is 6 s, the other's 2.5 s); the stuck one's
-    # stack says where it is. (The floor is above the 1.5 s of silence that tells a stopped rank from
-    # a waiting one, as a real job's 5 s is.)
-    for hang in (stuck, stopped, in_long_step):
+    # be 10 s); the stopped one after 2 s of silence (its own allowance is 6 s, the other's 2.5 s);
+    # the stuck one's stack says where it is.
+    for hang in (stuck, in_long_step):
         assert 2.5 <= hang["t"] - hang["t_start"] < (10 if hang is stuck else 5), hang
+    assert 2.0 <= stopped["t"] - stopped["t_start"] < 5 and stopped["silent"], stopped
+    for hang in (stuck, stopped, in_long_step):
         assert f"pid {hang['pid']}" in hang["error"]
     assert in_long_step["phase"] == "step 8 of this attempt"
     assert stuck["phase"] == "step 5 of this attempt"  # (the stopped one may have been stopped before it said so)
@@ -189,13 +211,149 @@ def test_a_stuck_or_stopped_rank_is_declared_hung_and_killed_a_slow_but_progress
         ray.kill(watchdog)
 
 
+def run_storage(tmp_path) -> RunStorage:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    return RunStorage(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
+
+
+def stops_judging(watchdog) -> bool:
+    return ray.get(watchdog.__ray_call__.remote(lambda self: self._checker is not None and self._checker.done()))
+
+
+def test_a_rank_that_dies_or_fails_is_no_hang_and_the_ranks_waiting_for_it_are_not_declared(ray_cluster, tmp_path):
+    """In one attempt a rank is SIGKILLed while a forked child of it (a DataLoader worker) lives on;
+    in another a rank says goodbye failing (an exception). The other rank waits for it, answering
+    without progress, as in a collective. The watchdog sees the death at once (the child closed its
+    copy of the connection), stops judging the failing attempt, and declares nobody: Ray restarts
+    the worker group for the death, not for a hang."""
+    storage = run_storage(tmp_path)
+    watchdogs = [HangWatchdog.remote(storage), HangWatchdog.remote(storage)]
+    ranks = [start_ranks(watchdogs[0], ["stuck", "dies"]), start_ranks(watchdogs[1], ["stuck", "fails"])]
+    child = None
+    try:
+        assert ranks[0]["dies"].stdout.readline() == "forked\n"
+        child, = psutil.Process(ranks[0]["dies"].pid).children()
+        os.kill(ranks[0]["dies"].pid, signal.SIGKILL)
+        for watchdog in watchdogs:
+            wait_until(lambda: stops_judging(watchdog), timeout=30, what="the watchdog to stop judging")
+        assert child.is_running()  # it still holds its copy of the dead rank's connection, closed
+        died, failed = (ray.get(watchdog.failing.remote()) for watchdog in watchdogs)
+        assert died.startswith("rank 1 ") and "without a goodbye" in died
+        assert failed.startswith("rank 1 ") and failed.endswith("failed")
+        assert [ray.get(watchdog.declared.remote()) for watchdog in watchdogs] == [[], []]
+        assert ranks[0]["stuck"].poll() is None and ranks[1]["stuck"].poll() is None
+    finally:
+        if child is not None:
+            child.kill()
+        for process in (p for processes in ranks for p in processes.values()):
+            process.kill()
+        for watchdog in watchdogs:
+            ray.kill(watchdog)
+    assert not [e for e in read_events(pafs.LocalFileSystem(), storage.experiment_path) if e["kind"] == "hang"]
+
+
+def test_only_the_attempts_ranks_can_talk_to_the_watchdog(ray_cluster, tmp_path):
+    """A connection without the attempt's secret, or with it but as a process that is not the rank
+    it names, is refused: a network peer cannot have a pid of its choice killed (by going silent)
+    or mask a hang (by sending progress)."""
+    me = {"rank": 0, "pid": os.getpid(), "host": "localhost", "node_id": ray.get_runtime_context().get_node_id()}
+    watchdog = HangWatchdog.remote(run_storage(tmp_path), [me])
+    host, port, secret = ray.get(watchdog.start.remote())
+    try:
+        for stranger in ({**me, "secret": "guessed"}, {**me, "pid": 1, "secret": secret}, "not json"):
+            with socket.create_connection((host, port)) as connection:
+                connection.sendall((json.dumps(stranger) + "\n").encode())
+                connection.settimeout(30)
+                assert connection.recv(100) == b""  # refused: closed
+        assert ray.get(watchdog.heard.remote()) == []
+        with socket.create_connection((host, port)) as connection:  # the rank itself
+            connection.sendall((json.dumps({**me, "secret": secret}) + "\n").encode())
+            wait_until(lambda: ray.get(watchdog.heard.remote()) == [0], timeout=30, what="rank 0 admitted")
+    finally:
+        ray.kill(watchdog)
+
+
+def test_a_hung_rank_is_killed_even_when_the_ledger_cannot_be_written(ray_cluster, tmp_path):
+    """The run directory is a file, so the ``hang`` event cannot be recorded: the stuck rank is
+    killed all the same, and the declaration is kept in memory."""
+    not_a_directory = tmp_path / "run"
+    not_a_directory.write_text("a file where the run directory should be")
+    watchdog = HangWatchdog.remote(RunStorage(pafs.LocalFileSystem(), str(not_a_directory), str(tmp_path / "l")))
+    ranks = start_ranks(watchdog, ["stuck"])
+    try:
+        assert ranks["stuck"].wait(timeout=60) == -signal.SIGKILL
+        declared, = ray.get(watchdog.declared.remote())
+        assert declared["hung_rank"] == 0 and not declared["silent"]
+    finally:
+        ranks["stuck"].kill()
+        ray.kill(watchdog)
+
+
+def test_a_pause_at_a_fixed_step_costs_one_restart_not_a_crash_loop(ray_cluster, tmp_path):
+    """A rank pauses 3.5 s without progress after step 9 of the run (allowed 2.5 s) in every
+    attempt. The first attempt's watchdog declares it at step 9 and keeps that in the run's hang
+    history; the next attempt's doubles the allowance there (5 s), and the pause passes."""
+    storage = run_storage(tmp_path)
+    first = HangWatchdog.remote(storage)
+    rank = start_ranks(first, ["pauses_at_step_9"])["pauses_at_step_9"]
+    assert rank.wait(timeout=60) == -signal.SIGKILL
+    declared, = ray.get(first.declared.remote())
+    assert declared["step"] == 9 and declared["phase"] == "after step 9"
+    wait_until(lambda: (tmp_path / "run" / "watchdog" / "hangs.json").exists(), timeout=30,
+               what="the hang history to be written")
+    second = HangWatchdog.remote(storage)
+    rank = start_ranks(second, ["pauses_at_step_9"])["pauses_at_step_9"]
+    try:
+        assert rank.stdout.readline() == "done\n" and rank.wait(timeout=60) == 0
+        assert ray.get(second.declared.remote()) == []
+    finally:
+        rank.kill()
+        for watchdog in (first, second):
+            ray.kill(watchdog)
+    hang, = [e for e in read_events(pafs.LocalFileSystem(), storage.experiment_path) if e["kind"] == "hang"]
+    assert hang["step"] == 9
+
+
+def test_silence_is_judged_against_the_heartbeat_gaps_of_the_run(ray_cluster, tmp_path):
+    """On a quiet machine a stopped rank is declared about 2 s after its last heartbeat. A rank
+    starved of CPU (stopped for 1.5 s now and then by the test, as a loaded machine would) raises
+    the threshold to 4 x its gaps' p99: a 3 s gap later is no stop, and nothing is declared."""
+    storage = run_storage(tmp_path)
+    quiet, loaded = HangWatchdog.remote(storage), HangWatchdog.remote(storage)
+    starved_enough = tmp_path / "starved"
+    stopped = start_ranks(quiet, ["starved"], str(tmp_path / "never"))["starved"]
+    starved = start_ranks(loaded, ["starved"], str(starved_enough))["starved"]
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        assert stopped.wait(timeout=60) == -signal.SIGKILL
+        assert time.monotonic() - stopped_at < 4.0
+        for pause in (1.5, 1.5, 1.5, 1.5, 3.0):  # the starvation the test inflicts, not a wait
+            os.kill(starved.pid, signal.SIGSTOP)
+            time.sleep(pause)
+            os.kill(starved.pid, signal.SIGCONT)
+            time.sleep(0.5)
+        assert ray.get(loaded.silence_threshold.remote()) >= 6.0
+        starved_enough.touch()
+        assert starved.stdout.readline() == "done\n" and starved.wait(timeout=60) == 0
+        assert ray.get(loaded.declared.remote()) == []
+        declared, = ray.get(quiet.declared.remote())
+        assert declared["silent"] and declared["pid"] == stopped.pid
+    finally:
+        for process in (stopped, starved):
+            process.kill()
+        for watchdog in (quiet, loaded):
+            ray.kill(watchdog)
+
+
 def test_the_allowance_is_a_multiple_of_the_longest_stretch_without_progress_of_steady_steps():
     """The allowance follows the p99 of recent steps' longest stretch without progress, not their
     length: long steps that tick keep it at the floor. The first steps of an attempt (compilation,
     warm-up) are left out, and so are the stretches of a phase between steps (a save's staging).
     A first save allocates its staging buffers (the startup allowance); a hang in a later save's
     staging is declared as soon as in a step, unless the save before took long."""
-    def no_watchdog() -> tuple[str, int]:
+    def no_watchdog() -> tuple[str, int, str]:
         raise ConnectionRefusedError("no watchdog here")
 
     now = [0.0]
@@ -231,6 +389,22 @@ def test_the_allowance_is_a_multiple_of_the_longest_stretch_without_progress_of_
     progress.phase("training")
     step(0.05)
     assert progress.allowance == pytest.approx(3.0)
+    with progress.allowing("waiting for saves to be durable", 660.0):  # a wait save_timeout_s bounds
+        assert progress.allowance == 660.0
+        now[0] += 100.0  # not a step's stretch either
+    assert progress.allowance == pytest.approx(3.0)
+    step(0.05)
+    assert progress.allowance == pytest.approx(3.0)
+    allowed_while_compiling = []
+
+    def backend(graph, inputs):  # runs inside dynamo's compilation
+        allowed_while_compiling.append(progress.allowance)
+        return graph.forward
+
+    stop = hold_during_compilations(progress)
+    torch.compile(torch.nn.Linear(2, 2), backend=backend)(torch.zeros(1, 2))
+    stop()
+    assert allowed_while_compiling == [600.0] and progress.allowance == pytest.approx(3.0)
     progress.close()
 
 
@@ -241,10 +415,11 @@ def test_a_failing_progress_source_leaves_the_heartbeat_going():
         raise OSError("the loader is gone")
 
     server = socket.create_server(("127.0.0.1", 0))
-    progress = ProgressReporter(HangWatchdogConfig(), server.getsockname, {"rank": 0}, [broken_source])
+    progress = ProgressReporter(HangWatchdogConfig(), lambda: (*server.getsockname(), "secret"), {"rank": 0},
+                                [broken_source])
     connection, _ = server.accept()
     with connection, connection.makefile() as beats:
-        assert json.loads(beats.readline()) == {"rank": 0}
+        assert json.loads(beats.readline()) == {"rank": 0, "secret": "secret"}
         progress.tick()
         assert json.loads([beats.readline() for _ in range(4)][-1])["p"] >= 1  # beats go on, with the tick
     progress.close()

@@ -26,6 +26,7 @@ from ray_resilient._ray_internals import without_unused_dataset_manager
 from ray_resilient.checkpoint.lease import TTL_S
 from ray_resilient.testing import Recorder, RecordKind, train_replica, wait_until
 from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
+from ray_resilient.watchdog import HangWatchdogConfig
 
 
 JOB = {"seed": 7, "samples": 384, "global_batch": 32, "epochs": 2, "interval": 5}  # train_fn: 24 steps
@@ -336,11 +337,13 @@ def no_restore_fn(config: dict[str, Any]) -> None:
 
 def preemption_fn(config: dict[str, Any]) -> None:
     """Train (with emulated compute time) until a just-in-time checkpoint was taken, then a few
-    more steps. Rank 0 writes its node id and step to ``progress`` so the test can drain the node."""
+    more steps. Rank 0 writes its node id and step to ``progress`` so the test can drain the node.
+    ``faults``: a fault plan; the hang watchdog allows ranks that answer 5 s without progress."""
     ctx = ray.train.get_context()
     model = prepare_model(build_model(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Checkpointer(model, optimizer, interval_steps=10**6, preemption_check_steps=5, goodput_logger=None) as ckpt:
+    with Checkpointer(model, optimizer, interval_steps=10**6, preemption_check_steps=5, goodput_logger=None,
+                      faults=config.get("faults"), hang_watchdog=HangWatchdogConfig(floor_s=5.0)) as ckpt:
         ckpt.restore()
         steps_after = None
         for step in range(config["max_steps"]):

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Literal, Mapping
 
 import ray.train
@@ -46,11 +46,12 @@ from ray_resilient.spare_workers import SpareWorkerRequest, helper_runtime_env, 
 from ray_resilient.tracking import MetricsLogger
 from ray_resilient.watchdog.monitor import HangWatchdog, watchdog_address
 from ray_resilient.watchdog.progress import HangWatchdogConfig, ProgressReporter
-from ray_resilient.watchdog.step_hooks import tick_inside_steps
+from ray_resilient.watchdog.step_hooks import hold_during_compilations, tick_inside_steps
 
 logger = logging.getLogger(__name__)
 
 RECENT_SAVES = 100  # SaveResults kept in Checkpointer.recent_saves
+SAVE_WAIT_SLACK_S = 60.0  # beyond save_timeout_s, for the hang watchdog: failing the save, registering it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +120,19 @@ class Checkpointer:
             steps: ``"mlflow"`` (the MLflow run of this Ray Train run, metrics ``goodput/...``),
             a callable ``(metrics, step)``, or None. The goodput ledger itself is always kept
             (``<run dir>/goodput``, see :mod:`ray_resilient.goodput`).
-        hang_watchdog: when a rank that makes no progress is declared hung, killed, and the worker
-            group restarted (:mod:`ray_resilient.watchdog`). Progress: the forward and backward of
-            the model's modules, each tensor a save stages, each sample the data loader reads,
-            each step and ``progress(phase)``. By default after ``max(5 s, 10 x`` the p99 of its
-            recent steps' longest stretch without progress``)``, 600 s for the restore, the first
-            3 steps, the first save's staging and the final save; a later save's staging: 10 x
-            the one before's, if more. None: only Ray's worker health check
+        hang_watchdog: when a rank is declared hung, killed, and the worker group restarted
+            (:mod:`ray_resilient.watchdog`). A rank that sends no heartbeat (stopped, its node
+            lost): after 2 s of silence, more where the run's heartbeats arrive late. A rank that
+            answers but makes no progress: by default after ``max(60 s, 10 x`` the p99 of its
+            recent steps' longest stretch without progress``)``; 600 s for the restore, the first
+            3 steps, the first save's staging and each ``torch.compile`` compilation; a later
+            save's staging: 10 x the one before's, if more; waiting for a save to become durable
+            (a preemption save, the final save, closing): ``save_timeout_s`` more. Progress: the
+            forward and backward of the model's modules, each tensor a save stages, each file or
+            chunk a restore verifies or fetches, each sample the data loader reads, each step and
+            ``progress(phase)`` (the volume's retries of a failing read, bounded by its 30 s
+            ``retry_seconds``, fit in the 60 s). At a step where an earlier attempt was
+            declared hung, the allowance doubles. None: only Ray's worker health check
             (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
         attempt_hooks: called at points of each attempt
             (:class:`~ray_resilient.checkpoint.hooks.AttemptHook`). Spare workers
@@ -185,6 +192,7 @@ class Checkpointer:
         self._control = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._watchdog, self._progress = self._start_watchdog(hang_watchdog) if hang_watchdog else (None, None)
         self._tick_hooks = tick_inside_steps(model, self._progress.tick) if self._progress else []
+        self._stop_compile_holds = hold_during_compilations(self._progress) if self._progress else None
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt: int | None = None  # this attempt's number, known once restore() ran
@@ -216,29 +224,50 @@ class Checkpointer:
         watchdog, name = None, None
         if self.rank == 0:
             name = f"ray_resilient_watchdog_{uuid.uuid4().hex}"
-            watchdog = HangWatchdog.options(name=name, runtime_env=helper_runtime_env()).remote(self.storage,
-                                                                                               identities)
+            watchdog = HangWatchdog.options(name=name, runtime_env=helper_runtime_env()).remote(
+                self.storage, identities, silent_floor_s=config.silent_floor_s)
         name = broadcast_from_rank0(self._writer.group, name)
         data = self.components.data
         sources = [lambda: data.samples_read] if isinstance(data, DataProgressSource) else []
         return watchdog, ProgressReporter(config, lambda: watchdog_address(name), identity, sources)
 
-    def _note(self, phase: str, startup: bool = False) -> None:
+    def _note(self, phase: str, allowance_s: float | None = None) -> None:
         """Tell the hang watchdog the training thread began ``phase`` (see :class:`ProgressReporter`)."""
         if self._progress is not None:
-            self._progress.phase(phase, startup)
+            self._progress.phase(phase, allowance_s)
+
+    def _note_startup(self, phase: str, waits_for_saves: bool = False) -> None:
+        """:meth:`_note` of a phase allowed the startup allowance (``waits_for_saves``: and
+        ``save_timeout_s`` more, which bounds waiting for the saves in flight)."""
+        if self._progress is not None:
+            self._note(phase, self._progress.config.startup_allowance_s
+                       + (self._session.save_timeout_s if waits_for_saves else 0.0))
+
+    @contextmanager
+    def _waiting_for_saves(self) -> Iterator[None]:
+        """Tell the hang watchdog the training thread waits for the saves in flight, which
+        ``save_timeout_s`` bounds, for the ``with`` block."""
+        if self._progress is None:
+            yield
+            return
+        with self._progress.allowing("waiting for saves to be durable",
+                                     self._session.save_timeout_s + SAVE_WAIT_SLACK_S):
+            yield
 
     def _note_save(self, phase: str) -> None:
         """Tell the hang watchdog the training thread began staging a save (``phase``)."""
         if self._progress is not None:
             self._progress.saving(phase, self.last_stall_seconds if self.saves_started else None)
 
-    def _stop_watchdog(self) -> None:
+    def _stop_watchdog(self, failed: bool = False) -> None:
         for hook in self._tick_hooks:
             hook.remove()
         self._tick_hooks = []
+        if self._stop_compile_holds is not None:
+            self._stop_compile_holds()
+            self._stop_compile_holds = None
         if self._progress is not None:
-            self._progress.close()
+            self._progress.close(failed)
             self._progress = None
         if self._watchdog is not None:
             ray.kill(self._watchdog)
@@ -251,7 +280,7 @@ class Checkpointer:
             # Failing: registering would be a barrier the other ranks never reach; the
             # worker group is about to restart from the newest complete checkpoint anyway.
             self.goodput.failure(exc)
-            self._stop_watchdog()
+            self._stop_watchdog(failed=True)
             self._session.close(exc)
             self.goodput.close()
 
@@ -269,7 +298,7 @@ class Checkpointer:
         (:mod:`ray_resilient.checkpoint.lease`); ``RunLeaseHeldError`` when another driver's run holds it.
         """
         started, wall_started = time.monotonic(), time.time()
-        self._note("restore", startup=True)
+        self._note_startup("restore")
         group = self._writer.group
         registered = ray.train.get_checkpoint()
         registered_path = registered.path if registered is not None else None
@@ -332,7 +361,7 @@ class Checkpointer:
         self.goodput.step(state.step, self._mark, ended, fetched - self._fetch_seen)
         self.policy.step_finished(ended - self._mark)
         if self._progress is not None:
-            self._progress.step()
+            self._progress.step(state.step)
         self._fetch_seen, self._mark = fetched, ended
         self.faults.fire("step", state.step)
         if not self._first_step_done:
@@ -367,7 +396,7 @@ class Checkpointer:
         goodput. Raises CheckpointSaveError if the final checkpoint could not be made durable.
         """
         metrics = self._last_metrics if metrics is None else metrics
-        self._note("final save", startup=True)
+        self._note_startup("final save", waits_for_saves=True)
         if self._last_saved_step == self.train_state.step and not self._writer.in_flight:
             # The last step's checkpoint is already registered: report the final metrics alone.
             ray.train.report({**metrics, **self.goodput.metrics(), "step": self.train_state.step,
@@ -386,11 +415,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the saves in flight (registering them), then release the writer's resources."""
-        self._note("closing", startup=True)
+        self._note_startup("closing", waits_for_saves=True)
         try:
             self._collect_saves(wait=True)
         except BaseException as err:  # a hung write: abandoned, the lease left to the restart
-            self._stop_watchdog()
+            self._stop_watchdog(failed=True)
             self._session.close(err)
             raise
         self._stop_watchdog()
@@ -421,7 +450,7 @@ class Checkpointer:
         """
         started, wall_started = time.monotonic(), time.time()
         self._phases = {}
-        with self._phase("collect finished saves"):
+        with self._phase("collect finished saves"), self._waiting_for_saves() if wait else nullcontext():
             self._collect_saves(wait=wait)
         step = self.train_state.step
         if not self._session.may_save(step):
@@ -438,7 +467,10 @@ class Checkpointer:
         self._in_flight.append(_InFlight({**metrics, "step": step, "epoch": self.train_state.epoch,
                                           "checkpoint_stall_seconds": self.last_stall_seconds},
                                          self.last_stall_seconds, dict(self._phases)))
-        results = self._collect_saves(wait=True) if wait else []
+        results = []
+        if wait:
+            with self._waiting_for_saves():
+                results = self._collect_saves(wait=True)
         self.goodput.save(step, wall_started, time.time())
         return results[-1] if results else None
 

@@ -26,6 +26,7 @@ import pyarrow.fs as pafs
 from ray_resilient.checkpoint.trust import (
     MAX_MANIFEST_BYTES, UntrustedCheckpointError, check_size, checked_file, regular_files,
 )
+from ray_resilient.watchdog.progress import note_progress
 
 CHECKSUMS_RE = re.compile(r"^checksums_rank_(\d+)\.json$")
 CHUNK_BYTES = 8 << 20
@@ -43,6 +44,7 @@ def _sha256(stream: BinaryIO, limit: int | None = None) -> tuple[str, int]:
     while chunk := stream.read(CHUNK_BYTES if limit is None else min(CHUNK_BYTES, limit + 1 - size)):
         digest.update(chunk)
         size += len(chunk)
+        note_progress()  # a restore verifying files, or a save hashing them, is getting on
     return digest.hexdigest(), size
 
 

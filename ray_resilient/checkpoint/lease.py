@@ -41,6 +41,7 @@ import pyarrow.fs as pafs
 
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
 from ray_resilient.storage.conditional import ChangedSinceRead, conditional_file
+from ray_resilient.watchdog.progress import note_progress
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class RunLease:
         deadline = time.monotonic() + watch_s
         while (left := deadline - time.monotonic()) > 0:
             self._stop.wait(min(self.renew_every_s / 4, left))
+            note_progress()  # a wait bounded by the watched lease's TTL, not a hang
             current = self._read_bytes()
             if current is None:
                 return False

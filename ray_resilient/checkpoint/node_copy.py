@@ -46,6 +46,7 @@ from ray_resilient.checkpoint.integrity import (
 from ray_resilient.checkpoint.layout import parse_checkpoint_dir_name
 from ray_resilient.checkpoint.trust import regular_files
 from ray_resilient.storage.local_copy import LocalWriteError, copy_to_local, open_local_copy
+from ray_resilient.watchdog.progress import note_progress
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ def _hashed(chunks: Iterator[bytes], digest: Any) -> Iterator[bytes]:
     """``chunks``, each added to ``digest`` as it passes."""
     for chunk in chunks:
         digest.update(chunk)
+        note_progress()  # a restore fetching files is getting on
         yield chunk
 
 

@@ -1,8 +1,9 @@
 """Hang detection for the whole-group path: a rank that stops making progress costs seconds.
 
 Each rank reports its progress (:mod:`.progress`) to a watchdog actor outside every rank
-(:mod:`.monitor`), which kills a rank that made no progress for longer than it is allowed, so
-that Ray Train restarts the worker group as for a crash. The :class:`~ray_resilient.Checkpointer`
+(:mod:`.monitor`), which kills a rank that went silent (stopped, its node lost) or that answers but
+made no progress for longer than it is allowed, so that Ray Train restarts the worker group as for
+a crash; a rank that dies is no hang (Ray restarts the group for it). The :class:`~ray_resilient.Checkpointer`
 runs it (``hang_watchdog=HangWatchdogConfig()``, the default).
 
 The names in ``__all__`` are the public API; the modules behind them are internal and may change.

@@ -10,7 +10,9 @@ longest stretch without progress stays a small share of it (the optimizer step a
 fall between two ticks; the data loader's own progress is counted apart). This works the same on a
 plain module, under ``DistributedDataParallel`` and under FSDP2 (``fully_shard``). Inside a
 ``torch.compile``'d graph the hooks do nothing (no graph break): a compiled model's forward and
-backward count as one stretch.
+backward count as one stretch. A compilation itself (the first step, and a recompile wherever a
+guard fails: an epoch's last partial batch, the first batch in ``eval()``) is allowed
+``startup_allowance_s`` (:func:`hold_during_compilations`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from typing import Any, Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+from ray_resilient._torch_internals import on_compilations
+from ray_resilient.watchdog.progress import ProgressReporter
 
 TICKING_MODULES = 16
 
@@ -37,3 +42,10 @@ def tick_inside_steps(model: torch.nn.Module, tick: Callable[[], None]) -> list[
     leaves = [module for module in model.modules() if next(module.children(), None) is None]
     spread = sorted({len(leaves) * i // TICKING_MODULES for i in range(TICKING_MODULES)}) if leaves else []
     return [leaves[i].register_forward_hook(after_forward) for i in spread]
+
+
+def hold_during_compilations(reporter: ProgressReporter) -> Callable[[], None]:
+    """Allow each ``torch.compile`` compilation in this process the reporter's
+    ``startup_allowance_s`` without progress; a function that stops it."""
+    return on_compilations(lambda: reporter.hold("compiling", reporter.config.startup_allowance_s),
+                           reporter.release)
