@@ -299,7 +299,7 @@ def _goodput_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if png is not None:
             print(f"timeline: {png}", file=sys.stderr)
     else:
-        print(format_report(args.run_dir, breakdown))
+        print(format_report(args.run_dir, breakdown, events))
         print(f"\ntimeline: {png}")
     return 0
 

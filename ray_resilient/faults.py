@@ -6,13 +6,19 @@ command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
 - ACTION: ``kill`` (SIGKILL this worker process), ``stop`` (SIGSTOP it: a hang without dying,
   as a stuck process or a partitioned node looks; only at ``step``), ``raise`` (raise :class:`InjectedFault`),
   ``fail_write`` (make the checkpoint write fail with an ``OSError``), ``slow_write`` (storage
-  slower than the interval: the write of that step's checkpoint sleeps ``seconds=S`` more).
+  slower than the interval: the write of that step's checkpoint sleeps ``seconds=S`` more),
+  ``pause`` (the training thread sleeps ``seconds=S``, answering but making no progress, as a
+  recompile, a long evaluation or a slow restore does; at ``step`` or ``restore``, and in every
+  attempt that passes the point, not once per run), ``preempt`` (a preemption notice, as
+  ``ray.train.get_preemption_info`` gives one: the checkpointer takes its just-in-time save after
+  that step; only at ``step``, and on every rank the plan names: plan it on each).
 - POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
   step), ``upload`` (while writing/uploading it, after part of it is written), ``durable``
   (after it is durable, before Ray registers it), ``copy`` (survivor mode: while a replica sends
-  its state to the replicas behind it, after the layout, before the tensors). These points fire on
-  the first save (or copy) at or after STEP: a save due while the ones before are still being
-  written is deferred a step.
+  its state to the replicas behind it, after the layout, before the tensors), ``restore`` (a
+  ``Checkpointer`` restoring, before it reads; STEP 0). These points but ``step`` fire on the first
+  save (or copy) at or after STEP: a save due while the ones before are still being written is
+  deferred a step.
 
 Example: ``kill:step=7:rank=1;kill:upload=20`` kills rank 1 after step 7, then rank 0 (the
 default rank) in the middle of writing the checkpoint of step 20. A fault fires once per run:
@@ -34,8 +40,9 @@ import pyarrow.fs as pafs
 logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "RAY_RESILIENT_FAULTS"
-ACTIONS = ("kill", "stop", "raise", "fail_write", "slow_write")
-POINTS = ("step", "staging", "upload", "durable", "copy")
+ACTIONS = ("kill", "stop", "raise", "fail_write", "slow_write", "pause", "preempt")
+POINTS = ("step", "staging", "upload", "durable", "copy", "restore")
+TIMED = ("slow_write", "pause")  # the actions that take seconds=S
 
 
 class InjectedFault(RuntimeError):
@@ -48,7 +55,7 @@ class Fault:
     point: str
     step: int
     rank: int = 0
-    seconds: float = 0.0  # slow_write's delay
+    seconds: float = 0.0  # slow_write's delay, pause's length
 
     @property
     def marker(self) -> str:
@@ -76,10 +83,12 @@ def parse_faults(spec: str) -> list[Fault]:
             ) from err
         if fault.action not in ACTIONS or fault.point not in POINTS:
             raise ValueError(f"bad fault {entry!r}: action must be one of {ACTIONS}, point one of {POINTS}")
-        if fault.action == "stop" and fault.point != "step":
-            raise ValueError(f"bad fault {entry!r}: stop goes only with the step point")
-        if (fault.action == "slow_write") != (fault.seconds > 0):
-            raise ValueError(f"bad fault {entry!r}: seconds=S (> 0) goes with slow_write, and only with it")
+        if fault.action in ("stop", "preempt") and fault.point != "step":
+            raise ValueError(f"bad fault {entry!r}: {fault.action} goes only with the step point")
+        if fault.action == "pause" and fault.point not in ("step", "restore"):
+            raise ValueError(f"bad fault {entry!r}: pause goes only with the step and restore points")
+        if (fault.action in TIMED) != (fault.seconds > 0):
+            raise ValueError(f"bad fault {entry!r}: seconds=S (> 0) goes with {' and '.join(TIMED)}, and only with them")
         faults.append(fault)
     return faults
 
@@ -104,12 +113,14 @@ def random_kill_plan(seed: int, *, kills: int, steps: int, interval: int, world_
 
 
 class FaultInjector:
-    """Fires the faults of a plan on this rank, once per run (markers under ``marker_dir``)."""
+    """Fires the faults of a plan on this rank, once per run (markers under ``marker_dir``; a
+    pause in every attempt)."""
 
     def __init__(self, faults: list[Fault], rank: int, filesystem: pafs.FileSystem, marker_dir: str):
         self.faults = [f for f in faults if f.rank == rank]
         self.filesystem = filesystem
         self.marker_dir = marker_dir
+        self._preemption_notice = False
 
     @classmethod
     def from_plan(
@@ -124,7 +135,10 @@ class FaultInjector:
         other than ``step``, also one planned at an earlier step (a save deferred past it)."""
         for fault in self.faults:
             due = fault.step == step if point == "step" else fault.step <= step
-            if fault.point == point and due and self._claim(fault):
+            if fault.point == point and due and fault.action == "pause":
+                logger.warning("Injecting fault %s (%.1f s)", fault.marker, fault.seconds)
+                time.sleep(fault.seconds)
+            elif fault.point == point and due and self._claim(fault):
                 logger.warning("Injecting fault %s", fault.marker)
                 if fault.action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -136,7 +150,15 @@ class FaultInjector:
                 if fault.action == "slow_write":
                     time.sleep(fault.seconds)
                     continue
+                if fault.action == "preempt":
+                    self._preemption_notice = True
+                    continue
                 raise InjectedFault(fault.marker)
+
+    def take_preemption_notice(self) -> bool:
+        """Whether a ``preempt`` fault fired since the last call."""
+        notice, self._preemption_notice = self._preemption_notice, False
+        return notice
 
     def _claim(self, fault: Fault) -> bool:
         path = f"{self.marker_dir}/{fault.marker}"

@@ -378,4 +378,6 @@ def test_a_stopped_worker_is_declared_hung_within_seconds_and_the_run_ends_bitwi
     breakdown = account(events)
     assert 0.8 * (hang["t"] - hang["t_start"]) <= breakdown.hang <= hang["t"] - hang["t_start"]
     assert breakdown.failures == 1
-    assert any(line.split()[:1] == ["hang"] for line in render_report(str(storage / "hang"), None).splitlines())
+    report = render_report(str(storage / "hang"), None)
+    assert any(line.split()[:1] == ["hang"] for line in report.splitlines())
+    assert f"hang: rank 1 after step {hang['step']}, silent: stopped, or its node lost" in report

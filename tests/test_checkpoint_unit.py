@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pyarrow.fs as pafs
 import pytest
@@ -159,7 +160,10 @@ def test_fault_plan_parsing_and_fire_once(storage):
     assert [(f.action, f.point, f.step, f.rank) for f in faults] == [
         ("kill", "step", 7, 1), ("raise", "step", 3, 0), ("fail_write", "upload", 10, 0)]
     assert parse_faults("stop:step=5:rank=2") == [Fault("stop", "step", 5, 2)]
-    for bad in ("kill", "kill:step", "explode:step=3", "kill:later=3", "kill:step=3:node=2", "stop:upload=3"):
+    assert parse_faults("pause:restore=0:seconds=0.5;preempt:step=4") == [
+        Fault("pause", "restore", 0, 0, 0.5), Fault("preempt", "step", 4)]
+    for bad in ("kill", "kill:step", "explode:step=3", "kill:later=3", "kill:step=3:node=2", "stop:upload=3",
+                "pause:step=3", "pause:upload=3:seconds=1", "preempt:upload=3", "kill:step=3:seconds=1"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
     injector = no_faults(storage, "raise:step=3")
@@ -176,6 +180,14 @@ def test_fault_plan_parsing_and_fire_once(storage):
     with pytest.raises(OSError, match="fail_write-upload-15"):
         injector.fire("upload", 16)
     injector.fire("upload", 20)
+    # A pause recurs in every attempt; a preemption notice is taken once.
+    for attempt in range(2):
+        injector = no_faults(storage, "pause:step=5:seconds=0.2;preempt:step=6")
+        started = time.monotonic()
+        injector.fire("step", 5)
+        assert time.monotonic() - started >= 0.2 and not injector.take_preemption_notice()
+        injector.fire("step", 6)
+        assert injector.take_preemption_notice() is (attempt == 0) and not injector.take_preemption_notice()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

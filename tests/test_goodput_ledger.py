@@ -401,3 +401,18 @@ def test_a_misspelt_goodput_logger_is_refused_at_construction_on_every_rank(tmp_
     with pytest.raises(ValueError, match="'mlflow', a callable .* got 'mlfow'"):
         GoodputRecorder(storage, rank, metrics_logger="mlfow")
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_the_report_names_each_hang_and_a_step_declared_again():
+    from ray_resilient.goodput.report import hang_lines
+
+    hangs = [{"kind": "hang", "t": 100.0 + 50 * i, "t_start": 97.5 + 50 * i, "hung_rank": 1, "step": 9,
+              "phase": "after step 9", "silent": False} for i in range(2)]
+    stopped = {"kind": "hang", "t": 300.0, "t_start": 298.0, "hung_rank": 0, "step": None, "phase": "restore",
+               "silent": True}
+    lines = hang_lines([{"kind": "step", "t": 1.0}, *hangs, stopped])
+    assert lines == [
+        "  hang: rank 1 after step 9, no progress in 'after step 9', declared after 2.5 s",
+        "  hang: rank 1 after step 9, no progress in 'after step 9', declared after 2.5 s; hang 2 at this step: "
+        "the allowance there doubled each time",
+        "  hang: rank 0 before its first step, silent: stopped, or its node lost, declared after 2.0 s"]

@@ -9,7 +9,8 @@ not executed). The layers, bottom up (README, "How it fits together"):
 - ``data`` and ``goodput``, which know nothing of each other or of checkpoints;
 - ``spare_workers`` and ``watchdog`` (hang detection, which records into the goodput ledger);
   then ``checkpoint``, which feeds the goodput ledger; then ``survivors``
-  (survivor mode), which writes its checkpoints with ``checkpoint``'s parts;
+  (survivor mode), which writes its checkpoints with ``checkpoint``'s parts and judges its
+  replicas' silence by ``watchdog``'s rule;
 - the front: ``ray_config``, ``connect`` (a driver's ``ray.init``), ``status`` (where a run
   stands), ``cli``, the package's lazy ``__init__``; beside it ``testing``, the rig.
 
@@ -50,7 +51,7 @@ ALLOWED = {
     "spare_workers": BASE,
     "watchdog": BASE | {"goodput"},
     "checkpoint": BASE | {"goodput", "spare_workers", "watchdog"},
-    "survivors": BASE | {"checkpoint", "goodput", "spare_workers"},
+    "survivors": BASE | {"checkpoint", "goodput", "spare_workers", "watchdog"},
     "ray_config": BASE | {"checkpoint", "goodput", "spare_workers", "survivors"},
     "connect": set(),
     "status": BASE | {"checkpoint", "goodput"},

@@ -429,7 +429,9 @@ def survivor_fn(config: dict[str, Any]) -> None:
     (the step, the membership, its part and sample ids), and every committed step (the membership,
     the loss, the sha). The lead
     writes the final weights. ``wait_at``: ``[{"step": S, "until": FILE}]``: every replica stops
-    after step S until FILE exists (a test acts then). ``goodput_logger``: as :func:`train_fn`'s.
+    after step S until FILE exists (a test acts then); ``{"step": S, "lead_alone": SECONDS}``: the
+    lead alone works that long after step S (an evaluation), the others go on to the next step.
+    ``goodput_logger``: as :func:`train_fn`'s; ``timeout_s``: survivor mode's.
     """
     torch.use_deterministic_algorithms(True)
     record = Recorder(config["record_dir"], ray.train.get_context().get_world_rank())
@@ -445,10 +447,12 @@ def survivor_fn(config: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 
-    def wait(step: int) -> None:
+    def wait(step: int, is_lead: bool) -> None:
         for rule in config.get("wait_at", ()):
-            if step == rule["step"]:
+            if step == rule["step"] and "until" in rule:
                 wait_until(lambda: os.path.exists(rule["until"]), timeout=600, what=f"{rule['until']} to exist")
+            elif step == rule["step"] and is_lead:
+                time.sleep(rule["lead_alone"])  # the lead's work alone between two steps
 
     lead = train_replica(model, optimizer, data, record, max_steps=per_epoch * config["epochs"],
                          step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait, flatten_images=True,
@@ -456,7 +460,7 @@ def survivor_fn(config: dict[str, Any]) -> None:
                          checkpoint_interval=config.get("interval"), mtbf_s=config.get("mtbf_s"),
                          goodput_logger=config.get("goodput_logger"),
                          goodput_log_every=config.get("goodput_log_every", 50), faults=config.get("faults", ""),
-                         lease_ttl_s=config.get("lease_ttl_s", TTL_S))
+                         lease_ttl_s=config.get("lease_ttl_s", TTL_S), timeout_s=config.get("timeout_s", 30.0))
     if lead:
         torch.save({k: v.clone() for k, v in model.state_dict().items()},
                    os.path.join(config["record_dir"], "final_weights.pt"))

@@ -299,6 +299,7 @@ class Checkpointer:
         """
         started, wall_started = time.monotonic(), time.time()
         self._note_startup("restore")
+        self.faults.fire("restore", 0)
         group = self._writer.group
         registered = ray.train.get_checkpoint()
         registered_path = registered.path if registered is not None else None
@@ -375,7 +376,7 @@ class Checkpointer:
                 durable = self.last_save.durable_seconds if self.last_save is not None else 0.0
                 self.policy.saved(state.step, self.last_stall_seconds, durable, self._control)
             self._note("training")
-        elif self.policy.preemption_imminent(state.step):
+        elif self.faults.take_preemption_notice() or self.policy.preemption_imminent(state.step):
             self._note_save("preemption save")
             self._checkpoint(metrics or {}, wait=True)
             self._note("training")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts, lost_after
@@ -36,11 +37,12 @@ def render_report(run_dir: str, png_path: str | None, reference_step_seconds: fl
     breakdown = account(events, reference_step_seconds=reference_step_seconds)
     if png_path is not None:
         draw_timeline(events, breakdown, png_path, title=run_dir.rstrip("/").rsplit("/", 1)[-1])
-    return format_report(run_dir, breakdown)
+    return format_report(run_dir, breakdown, events)
 
 
-def format_report(run_dir: str, breakdown: Breakdown) -> str:
-    """The counts, the goodput and a table of each part's seconds and share of the total."""
+def format_report(run_dir: str, breakdown: Breakdown, events: Sequence[dict[str, Any]] = ()) -> str:
+    """The counts, the goodput, a table of each part's seconds and share of the total, and each
+    hang the watchdog declared among ``events``."""
     lines = [f"goodput report of {run_dir}"]
     counts = [("attempts", str(breakdown.attempts)), ("failures", str(breakdown.failures)),
               ("steps kept", str(breakdown.steps_kept)), ("steps recomputed", str(breakdown.steps_recomputed)),
@@ -56,8 +58,30 @@ def format_report(run_dir: str, breakdown: Breakdown) -> str:
     lines.append("")
     for name, seconds, share in table:
         lines.append(f"  {name.ljust(widths[0])}  {seconds.rjust(widths[1])}  {share.rjust(widths[2])}")
+    hangs = hang_lines(events)
+    if hangs:
+        lines += ["", *hangs]
     lines += ["", *(f"  {note}" for note in NOTES)]
     return "\n".join(lines)
+
+
+def hang_lines(events: Sequence[dict[str, Any]]) -> list[str]:
+    """A line for each hang the watchdog declared: who, where, why, and whether its step had been
+    declared before (each time doubles later attempts' allowance there)."""
+    lines, at_step = [], Counter()
+    for event in events:
+        if event["kind"] != EventKind.HANG:
+            continue
+        step = event.get("step")
+        at_step[step] += 1
+        why = ("silent: stopped, or its node lost" if event.get("silent")
+               else f"no progress in {event.get('phase', '?')!r}")
+        where = "before its first step" if step is None else f"after step {step}"
+        again = (f"; hang {at_step[step]} at this step: the allowance there doubled each time"
+                 if step is not None and at_step[step] > 1 else "")
+        lines.append(f"  hang: rank {event['hung_rank']} {where}, {why}, declared after "
+                     f"{event['t'] - event['t_start']:.1f} s{again}")
+    return lines
 
 
 def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: str, title: str) -> None:

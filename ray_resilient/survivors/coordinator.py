@@ -5,9 +5,9 @@ backend), so it outlives any replica. It hosts the ``TCPStore`` the replicas ren
 gloo groups on, and a TCP server each replica keeps one connection to, sending a heartbeat on it
 (:mod:`.liveness`). A replica process that dies (SIGKILL, OOM) closes that connection, so
 the coordinator knows at once; one that stops answering without dying (SIGSTOP, a hang that holds
-the interpreter, a lost node or a partition that sends no FIN) is dropped after
-:data:`~.liveness.LIVENESS_TIMEOUT_S` without a heartbeat, where an idle connection would wait for gloo's
-timeout and more.
+the interpreter, a lost node or a partition that sends no FIN) is dropped once silent past the
+:class:`~ray_resilient.watchdog.silence.SilenceRule` of the heartbeats the coordinator hears (2 s on
+a quiet machine), where an idle connection would wait for gloo's timeout and more.
 
 A *membership* (an epoch number, the replica ids in it, the step it starts from) changes when a
 replica is lost or a replacement is waiting. As soon as a member is gone, or one asks for the next
@@ -36,6 +36,7 @@ from typing import Any
 import ray
 
 from ray_resilient.survivors.liveness import watch_heartbeats
+from ray_resilient.watchdog.silence import SilenceRule
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class MembershipCoordinator:
         self._server: asyncio.base_events.Server | None = None
         self._host = ""
         self._connected: dict[str, int] = {}  # live replica token -> replica id
+        self._silence = SilenceRule()  # when a replica's heartbeats have stopped
         self._changed = asyncio.Condition()
         self._current: Membership | None = None
         self._tokens: dict[int, str] = {}  # replica id -> token of the current membership's members
@@ -132,7 +134,7 @@ class MembershipCoordinator:
         async with self._changed:
             self._connected[token] = int(replica)
             self._changed.notify_all()
-        how = await watch_heartbeats(reader)
+        how = await watch_heartbeats(reader, self._silence)
         writer.close()  # a silent replica that wakes up finds it was dropped
         async with self._changed:
             del self._connected[token]

@@ -2,7 +2,11 @@
 
 A process that dies closes the connection (the coordinator knows at once). A process that stops
 without dying (SIGSTOP, a hang holding the interpreter, a lost node or a partition: no FIN ever
-comes) stops sending heartbeats, and the coordinator drops it after :data:`LIVENESS_TIMEOUT_S`.
+comes) stops sending heartbeats, and the coordinator drops it once its silence exceeds the
+:class:`~ray_resilient.watchdog.silence.SilenceRule` of the heartbeats it hears: 2 s on a quiet
+machine, more where a loaded one starves live replicas (two runs of the README's job at once on 2
+cores showed gaps of 1.43 s: a fixed 1.5 s dropped a healthy lead, a fixed 5 s waited long for a
+stopped one).
 The heartbeats come from a thread of their own, so a long step, a restore or a state copy on the
 training thread does not silence them. A forked child (a DataLoader worker) closes its copy of the
 connection at once: else a killed replica's connection would stay open until its children noticed
@@ -15,13 +19,12 @@ import asyncio
 import os
 import socket
 import threading
+import time
 import weakref
 
+from ray_resilient.watchdog.silence import SilenceRule
+
 HEARTBEAT_S = 0.25  # how often a replica says it is alive
-# A replica silent this long is dropped as if it died (20 heartbeats missed). A live one can be
-# silent for a while: the README's job in survivor mode, two runs at once on 2 cores, showed gaps
-# of 1.43 s, and a lead dropped after 1.5 s in its checkpoint saves.
-LIVENESS_TIMEOUT_S = 5.0
 
 
 class LivenessLink:
@@ -59,14 +62,23 @@ def _close_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
-async def watch_heartbeats(reader: asyncio.StreamReader) -> str:
+async def watch_heartbeats(reader: asyncio.StreamReader, silence: SilenceRule) -> str:
     """The coordinator's side of one :class:`LivenessLink`, after its first line: read heartbeats
-    until the replica is gone; how it went."""
+    (each gap heard by ``silence``, the rule of every link the coordinator watches) until the
+    replica is gone; how it went."""
+    last = time.monotonic()
     try:
-        while await asyncio.wait_for(reader.read(4096), LIVENESS_TIMEOUT_S):
-            pass  # b"": EOF, the process closed the connection or died
-    except asyncio.TimeoutError:
-        return f"sent no heartbeat for {LIVENESS_TIMEOUT_S:.1f} s"
+        while True:
+            try:  # the threshold may have grown since the wait began: wait on until it is out
+                beat = await asyncio.wait_for(reader.read(4096), last + silence.threshold_s - time.monotonic())
+            except asyncio.TimeoutError:
+                if time.monotonic() - last >= silence.threshold_s:
+                    return f"sent no heartbeat for {time.monotonic() - last:.1f} s"
+                continue
+            if not beat:  # EOF: the process closed the connection or died
+                return "closed its connection"
+            now = time.monotonic()
+            silence.heard(now - last)
+            last = now
     except ConnectionError:
-        pass
-    return "closed its connection"
+        return "closed its connection"

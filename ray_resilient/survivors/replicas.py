@@ -19,6 +19,11 @@ With ``data`` (a :class:`~ray_resilient.data.VolumeDataLoader`), each step tells
 loader which micro-batches the membership gives it, and it reads them from the volume through its
 workers, cache and prefetching; the data position goes into the lead's checkpoints.
 
+Work the lead alone does between steps (an evaluation, an export) may take as long as it takes:
+the others enter a step's exchange only once the lead has begun that step (it says so in the
+coordinator's store), and wait for it there, asking the coordinator whether a member was lost,
+not in a gloo collective, whose ``timeout_s`` would drop the step and re-form the membership.
+
 A step commits on a replica when its exchange succeeded there. A replica that dies breaks the
 gloo connections of that exchange at once; the others drop the step, ask the
 :class:`~ray_resilient.survivors.coordinator.MembershipCoordinator` for the next membership and
@@ -95,6 +100,12 @@ class MicroBatchSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+def lead_step_key(epoch: int) -> str:
+    """The steps the lead of membership ``epoch`` has begun (the last one's number + 1), in the
+    coordinator's store."""
+    return f"lead_step/{epoch}"
+
+
 class ReplicaLostError(RuntimeError):
     """A member of this replica's membership is gone (or another member found one gone)."""
 
@@ -136,7 +147,8 @@ class SurvivingReplicas:
             others in the lead's checkpoint writes.
         timeout_s: how long a collective waits on a connection that carries nothing while every
             replica still sends its heartbeats (a partition between two replicas); a replica that
-            stops answering altogether is dropped sooner (:mod:`.liveness`).
+            stops answering altogether is dropped sooner (:mod:`.liveness`). Work the lead alone
+            does between steps is not bounded by it (see the module docstring).
         save_timeout_s: as ``Checkpointer``'s: a save still writing this long makes the due saves fail.
         lease_ttl_s: as ``Checkpointer``'s: how long the run's lease may go unrenewed before a
             driver started again takes it over.
@@ -272,8 +284,12 @@ class SurvivingReplicas:
         self._faults.fire("step", self.step)  # "after step N": once the train function went on from it
         while True:
             started = time.time()
+            if self.is_lead:
+                self._store.set(lead_step_key(self._membership.epoch), str(self.step + 1))
             controls = self._gradients(loss_of)
             try:
+                if not self.is_lead:
+                    self._wait_for_the_lead()
                 reduced, controls = self._exchange.reduce(self._group, self._membership.rank(self.replica), controls,
                                                           self._wait)
             except RuntimeError as err:  # a replica is gone: gloo's connections to it broke, or the coordinator says
@@ -432,6 +448,14 @@ class SurvivingReplicas:
         while not done.wait(LOST_POLL_S):
             self._raise_if_lost()
         work.wait()  # raises gloo's error, if the collective failed
+
+    def _wait_for_the_lead(self) -> None:
+        """Wait until the lead has begun this step (it may have worked alone since the last one);
+        :class:`ReplicaLostError` if a member is lost meanwhile."""
+        key = lead_step_key(self._membership.epoch)
+        while self._store.add(key, 0) <= self.step:  # one round trip when the lead is not behind
+            self._raise_if_lost()
+            time.sleep(LOST_POLL_S)
 
     def _raise_if_lost(self) -> None:
         if self._store.check([lost_key(self._membership.epoch)]):

@@ -224,12 +224,14 @@ def train_survivors(config: dict[str, Any]) -> None:
     worker = Worker(config, replica=True)
     job = worker.job
     train_replica(worker.model, worker.optimizer, worker.data, worker.record, max_steps=job.max_steps,
-                  step_seconds=job.step_seconds, after_step=worker.kills.check, micro_batches=worker.world,
+                  step_seconds=job.step_seconds, after_step=lambda step, lead: worker.kills.check(step),
+                  micro_batches=worker.world,
                   seed=job.seed, checkpoint_interval=job.interval, faults=job.faults, goodput_logger=None)
 
 
 def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, max_steps: int, step_seconds: float,
-                  digest: bool = False, after_step: Callable[[int], None] | None = None, flatten_images: bool = False,
+                  digest: bool = False, after_step: Callable[[int, bool], None] | None = None,
+                  flatten_images: bool = False,
                   **options: Any) -> bool:
     """The survivor-mode loop: ``SurvivingReplicas(model, optimizer, **options)`` trains global
     batches of ``data`` until ``max_steps``: a :class:`SyntheticBatches` of the whole batch, or a
@@ -241,7 +243,7 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
     micro-batch, so a replica that drew from any other stream shows in the weights. Records
     JOINED, each micro-batch COMPUTED (its sample ids as the data gave them), every committed STEP
     (with the state's ``sha`` when ``digest``: bitwise comparisons across replicas) and FINISHED;
-    ``after_step(step)`` runs after each. Returns whether this process ended as the lead (which
+    ``after_step(step, is_lead)`` runs after each. Returns whether this process ended as the lead (which
     saved the final checkpoint).
     """
     import torch
@@ -275,7 +277,7 @@ def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, ma
             record(RecordKind.STEP, step=replicas.step, epoch=(replicas.step - 1) // per_epoch, members=trained_by,
                    loss=loss, **sha())  # not replicas.members: a replacement may have joined at this step's end
             if after_step is not None:
-                after_step(replicas.step)
+                after_step(replicas.step, replicas.is_lead)
         lead = replicas.is_lead
     record(RecordKind.FINISHED, step=replicas.step)
     return lead

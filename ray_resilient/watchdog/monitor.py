@@ -6,10 +6,10 @@ Each rank keeps one TCP connection to it
 that rank: any other connection is refused. The watchdog judges two ways:
 
 - **Silent.** A connected rank whose heartbeats stopped (the process stopped, its node lost) is
-  declared once its silence exceeds ``max(silent_floor_s, SILENCE_MULTIPLE x`` the p99 of the
-  heartbeat gaps seen in this attempt``)``: 2 s on a quiet machine, more where a loaded one
-  starves live processes (a starved process is late, not silent). The watchdog skips a round when
-  its own loop ran late: heartbeats may be waiting unread.
+  declared once its silence exceeds the :class:`~.silence.SilenceRule` of this attempt's
+  heartbeats: 2 s on a quiet machine, more where a loaded one starves live processes (a starved
+  process is late, not silent). The watchdog skips a round when its own loop ran late: heartbeats
+  may be waiting unread.
 - **Without progress.** Once no rank's progress counter has moved for longer than the attempt's
   allowance, the attempt is hung: a stuck collective, a hung filesystem (in data-parallel training
   the others soon stall too, waiting for it; while one rank still progresses, e.g. rank 0
@@ -48,7 +48,7 @@ import os
 import secrets
 import signal
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,13 +60,12 @@ from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.storage.run import RunStorage
 from ray_resilient.watchdog.progress import HangWatchdogConfig
+from ray_resilient.watchdog.silence import SilenceRule
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.25
 LATE_S = 0.5  # a check this much later than due: the watchdog itself was starved, skip it
-SILENCE_MULTIPLE = 4.0  # x the p99 of the heartbeat gaps seen, where that is more
-GAP_WINDOW = 2000  # recent heartbeat gaps (all ranks) whose p99 sets the silence threshold
 FIND_TIMEOUT_S = 60.0  # how long a rank looks for the watchdog rank 0 just created
 STACK_WAIT_S = 1.0  # how long a hung rank's own thread may take to send its stack
 RECORD_TIMEOUT_S = 30.0  # how long recording a declared hang may take (the kill is done by then)
@@ -146,11 +145,6 @@ def _kill_rank(pid: int) -> None:
 _kill_rank_on_its_node = ray.remote(num_cpus=0)(_kill_rank)
 
 
-def _p99(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-
 @ray.remote(num_cpus=0)
 class HangWatchdog:
     """One attempt's watchdog (see the module docstring); ``storage``: the run's, for the ledger
@@ -162,12 +156,11 @@ class HangWatchdog:
                  silent_floor_s: float = HangWatchdogConfig.silent_floor_s):
         self._storage = storage
         self._secret = secrets.token_hex(16)
-        self._silent_floor_s = silent_floor_s
+        self._silence = SilenceRule(silent_floor_s)
         self._known = {r["rank"]: r for r in ranks}
         self._ranks: dict[int, _Rank] = {}
         # Ranks not heard yet: allowed nothing, since the watchdog started.
         self._absent = {r["rank"]: _Rank(r, None, phase="start") for r in ranks}
-        self._gaps: deque[float] = deque(maxlen=GAP_WINDOW)
         self._declared: list[dict[str, Any]] = []
         self._failing: str | None = None  # why the attempt is failing: nothing is judged any more
         self._history = HangHistory(storage)
@@ -202,9 +195,7 @@ class HangWatchdog:
 
     def silence_threshold(self) -> float:
         """How long a connected rank may send nothing before it counts as stopped."""
-        if not self._gaps:
-            return self._silent_floor_s
-        return max(self._silent_floor_s, SILENCE_MULTIPLE * _p99(self._gaps))
+        return self._silence.threshold_s
 
     def _admits(self, identity: dict[str, Any]) -> bool:
         if not secrets.compare_digest(str(identity.get("secret", "")), self._secret):
@@ -232,7 +223,7 @@ class HangWatchdog:
             while line := await reader.readline():
                 message = json.loads(line)
                 now = time.monotonic()
-                self._gaps.append(now - rank.heard)
+                self._silence.heard(now - rank.heard)
                 rank.heard = now
                 if "stack" in message:
                     if rank.stack is not None and not rank.stack.done():
