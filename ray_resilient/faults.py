@@ -88,7 +88,8 @@ def parse_faults(spec: str) -> list[Fault]:
         if fault.action == "pause" and fault.point not in ("step", "restore"):
             raise ValueError(f"bad fault {entry!r}: pause goes only with the step and restore points")
         if (fault.action in TIMED) != (fault.seconds > 0):
-            raise ValueError(f"bad fault {entry!r}: seconds=S (> 0) goes with {' and '.join(TIMED)}, and only with them")
+            raise ValueError(f"bad fault {entry!r}: seconds=S (> 0) goes with {' and '.join(TIMED)}, "
+                             "and only with them")
         faults.append(fault)
     return faults
 

@@ -408,6 +408,37 @@ def test_the_allowance_is_a_multiple_of_the_longest_stretch_without_progress_of_
     progress.close()
 
 
+def test_the_librarys_own_long_waits_are_progress(tmp_path):
+    """Watching another driver's lease until it expires, and verifying a restore's files, tick the
+    process's reporter as they get on (a watch over 600 s, or a long verification, is no hang)."""
+    import hashlib
+
+    from ray_resilient.checkpoint.integrity import verify_file
+    from ray_resilient.checkpoint.lease import RunLease
+
+    def no_watchdog() -> tuple[str, int, str]:
+        raise ConnectionRefusedError("no watchdog here")
+
+    progress = ProgressReporter(HangWatchdogConfig(), no_watchdog, {"rank": 0})
+    filesystem, run_dir = pafs.LocalFileSystem(), str(tmp_path / "run")
+    filesystem.create_dir(run_dir)
+    dead = RunLease(filesystem, run_dir, "run-a", ttl_s=1.0, renew_every_s=0.2, settle_s=0.0)
+    dead.acquire()
+    dead.stop()  # its driver died: the next driver watches the lease for its TTL
+    before = progress.progress
+    taker = RunLease(filesystem, run_dir, "run-b", ttl_s=1.0, renew_every_s=0.2, settle_s=0.0)
+    taker.acquire()
+    taker.release()
+    assert progress.progress - before >= 4  # a tick a poll, every 0.05 s for 1 s
+    shard = os.urandom(20 << 20)  # 20 MiB: three chunks of 8 MiB
+    (tmp_path / "run" / "shard.distcp").write_bytes(shard)
+    before = progress.progress
+    verify_file(filesystem, run_dir, "shard.distcp", {"sha256": hashlib.sha256(shard).hexdigest(), "bytes": len(shard)},
+                len(shard))
+    assert progress.progress - before >= 3
+    progress.close()
+
+
 def test_a_failing_progress_source_leaves_the_heartbeat_going():
     """A source of progress that raises is dropped with a warning: the reporter thread goes on
     beating (had it died, its connection would close and the watchdog stop watching the rank)."""

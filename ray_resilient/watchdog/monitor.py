@@ -19,7 +19,7 @@ that rank: any other connection is refused. The watchdog judges two ways:
   a save, a compile, a wait the library bounds) if that is larger: the others may be waiting for
   it. A rank that never reached the watchdog (stopped, or its node lost, before it could) counts
   as without progress since the watchdog started. At a step where earlier attempts were declared
-  hung, every allowance is doubled once for each such declaration (:class:`HangHistory`): a pause
+  hung, every allowance is doubled once for each such declaration (:mod:`.history`): a pause
   that recurs at a fixed step (an epoch's last batch, the first validation) costs one restart, not
   a crash loop.
 
@@ -41,6 +41,7 @@ crash, seconds after the hang instead of after its worker health-check timeout (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -48,7 +49,6 @@ import os
 import secrets
 import signal
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +59,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.storage.run import RunStorage
+from ray_resilient.watchdog.history import HangHistory
 from ray_resilient.watchdog.progress import HangWatchdogConfig
 from ray_resilient.watchdog.silence import SilenceRule
 
@@ -84,40 +85,6 @@ class _Rank:
     changed: float = field(default_factory=time.monotonic)  # when its progress last moved
     heard: float = field(default_factory=time.monotonic)  # when it last sent anything
     stack: asyncio.Future | None = None
-
-
-class HangHistory:
-    """The run's steps at which the watchdog declared a rank hung, and how often
-    (``<run dir>/watchdog/hangs.json``): each declaration there doubles the allowances of later
-    attempts at that step."""
-
-    def __init__(self, storage: RunStorage | None):
-        self._storage = storage
-        self.hangs: Counter[int] = Counter()
-
-    @property
-    def _path(self) -> str:
-        return f"{self._storage.experiment_path}/watchdog/hangs.json"
-
-    def load(self) -> None:
-        """Read the run's history (none yet: empty)."""
-        try:
-            with self._storage.filesystem.open_input_stream(self._path) as stream:
-                self.hangs = Counter({int(step): int(n) for step, n in json.loads(stream.read()).items()})
-        except FileNotFoundError:
-            pass
-
-    def add(self, step: int) -> None:
-        """Count a declaration at ``step`` and write the history back."""
-        self.hangs[step] += 1
-        filesystem = self._storage.filesystem
-        filesystem.create_dir(self._path.rsplit("/", 1)[0])
-        with filesystem.open_output_stream(self._path) as stream:
-            stream.write(json.dumps(self.hangs).encode())
-
-    def factor(self, step: int | None) -> float:
-        """How many times its allowance a rank gets at ``step``."""
-        return 2.0 ** self.hangs.get(step, 0) if step is not None else 1.0
 
 
 def watchdog_address(name: str) -> tuple[str, int, str]:
@@ -149,8 +116,8 @@ _kill_rank_on_its_node = ray.remote(num_cpus=0)(_kill_rank)
 class HangWatchdog:
     """One attempt's watchdog (see the module docstring); ``storage``: the run's, for the ledger
     and the hang history; ``ranks``: the identities of the attempt's ranks (rank, pid, host,
-    node_id): a rank it knows is accepted from its own process only; ``silent_floor_s``: the silence that declares a rank on a
-    quiet machine."""
+    node_id): a rank it knows is accepted from its own process only; ``silent_floor_s``: the
+    silence that declares a rank on a quiet machine."""
 
     def __init__(self, storage: RunStorage | None, ranks: Sequence[dict[str, Any]] = (),
                  silent_floor_s: float = HangWatchdogConfig.silent_floor_s):
@@ -246,7 +213,8 @@ class HangWatchdog:
                                      f"{'failed' if goodbye else 'closed its connection without a goodbye (it died)'}")
                     logger.info("%s: the attempt is failing and Ray restarts it; no hang is judged any more",
                                 self._failing)
-            writer.close()
+            with contextlib.suppress(RuntimeError):  # the actor is being killed: its event loop closed
+                writer.close()
 
     async def _check(self) -> None:
         """Declare one culprit, silent or without progress (see the module docstring)."""

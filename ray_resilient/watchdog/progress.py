@@ -98,6 +98,11 @@ class ProgressReporter:
         self._thread.start()
 
     @property
+    def progress(self) -> int:
+        """This rank's progress counter: ticks, steps and phases so far."""
+        return self._progress
+
+    @property
     def allowance(self) -> float:
         """How long this rank may now go without progress before it counts as hung."""
         return self._allowance
