@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, Iterator, Literal, Mapping
 
 import ray.train
@@ -236,12 +236,10 @@ class Checkpointer:
         if self._progress is not None:
             self._progress.phase(phase, allowance_s)
 
-    def _note_startup(self, phase: str, waits_for_saves: bool = False) -> None:
-        """:meth:`_note` of a phase allowed the startup allowance (``waits_for_saves``: and
-        ``save_timeout_s`` more, which bounds waiting for the saves in flight)."""
+    def _note_startup(self, phase: str) -> None:
+        """:meth:`_note` of a phase allowed the startup allowance."""
         if self._progress is not None:
-            self._note(phase, self._progress.config.startup_allowance_s
-                       + (self._session.save_timeout_s if waits_for_saves else 0.0))
+            self._note(phase, self._progress.config.startup_allowance_s)
 
     @contextmanager
     def _waiting_for_saves(self) -> Iterator[None]:
@@ -397,7 +395,7 @@ class Checkpointer:
         goodput. Raises CheckpointSaveError if the final checkpoint could not be made durable.
         """
         metrics = self._last_metrics if metrics is None else metrics
-        self._note_startup("final save", waits_for_saves=True)
+        self._note_startup("final save")
         if self._last_saved_step == self.train_state.step and not self._writer.in_flight:
             # The last step's checkpoint is already registered: report the final metrics alone.
             ray.train.report({**metrics, **self.goodput.metrics(), "step": self.train_state.step,
@@ -416,7 +414,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the saves in flight (registering them), then release the writer's resources."""
-        self._note_startup("closing", waits_for_saves=True)
+        self._note_startup("closing")
         try:
             self._collect_saves(wait=True)
         except BaseException as err:  # a hung write: abandoned, the lease left to the restart
@@ -451,7 +449,7 @@ class Checkpointer:
         """
         started, wall_started = time.monotonic(), time.time()
         self._phases = {}
-        with self._phase("collect finished saves"), self._waiting_for_saves() if wait else nullcontext():
+        with self._phase("collect finished saves"):
             self._collect_saves(wait=wait)
         step = self.train_state.step
         if not self._session.may_save(step):
@@ -468,10 +466,7 @@ class Checkpointer:
         self._in_flight.append(_InFlight({**metrics, "step": step, "epoch": self.train_state.epoch,
                                           "checkpoint_stall_seconds": self.last_stall_seconds},
                                          self.last_stall_seconds, dict(self._phases)))
-        results = []
-        if wait:
-            with self._waiting_for_saves():
-                results = self._collect_saves(wait=True)
+        results = self._collect_saves(wait=True) if wait else []
         self.goodput.save(step, wall_started, time.time())
         return results[-1] if results else None
 
@@ -483,7 +478,8 @@ class Checkpointer:
         a barrier in Ray).
         """
         if wait:
-            results = self._session.collect_all()
+            with self._waiting_for_saves():
+                results = self._session.collect_all()
         else:
             finished = smallest_on_any_rank(self._control, self._writer.finished()) if self._writer.in_flight else 0
             results = self._writer.collect(finished)
