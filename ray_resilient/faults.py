@@ -1,7 +1,7 @@
 """Fault injection at real points of a run: off unless configured, each fault fires once per run.
 
-A plan is a ``;``-separated list of ``ACTION:POINT=STEP[:rank=R][:seconds=S]``, taken from the job's
-command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
+A plan is a ``;``-separated list of ``ACTION:POINT=STEP[:rank=R][:seconds=S][:peer=P]``, taken from the
+job's command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
 
 - ACTION: ``kill`` (SIGKILL this worker process), ``stop`` (SIGSTOP it: a hang without dying,
   as a stuck process or a partitioned node looks; only at ``step``), ``raise`` (raise :class:`InjectedFault`),
@@ -11,7 +11,11 @@ command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
   recompile, a long evaluation or a slow restore does; at ``step`` or ``restore``, and in every
   attempt that passes the point, not once per run), ``preempt`` (a preemption notice, as
   ``ray.train.get_preemption_info`` gives one: the checkpointer takes its just-in-time save after
-  that step; only at ``step``, and on every rank the plan names: plan it on each).
+  that step; only at ``step``, and on every rank the plan names: plan it on each), ``partition``
+  (survivor mode: replicas R and ``peer=P`` can no longer reach each other, though both reach
+  the coordinator: the exchanges and the groups they are both in fail on both, as across a
+  network partition; in the processes that trained STEP, until one of the two leaves the
+  membership; only at ``step``).
 - POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
   step), ``upload`` (while writing/uploading it, after part of it is written), ``durable``
   (after it is durable, before Ray registers it), ``copy`` (survivor mode: while a replica sends
@@ -40,7 +44,7 @@ import pyarrow.fs as pafs
 logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "RAY_RESILIENT_FAULTS"
-ACTIONS = ("kill", "stop", "raise", "fail_write", "slow_write", "pause", "preempt")
+ACTIONS = ("kill", "stop", "raise", "fail_write", "slow_write", "pause", "preempt", "partition")
 POINTS = ("step", "staging", "upload", "durable", "copy", "restore")
 TIMED = ("slow_write", "pause")  # the actions that take seconds=S
 
@@ -56,6 +60,7 @@ class Fault:
     step: int
     rank: int = 0
     seconds: float = 0.0  # slow_write's delay, pause's length
+    peer: int = -1  # partition's other replica
 
     @property
     def marker(self) -> str:
@@ -70,23 +75,26 @@ def parse_faults(spec: str) -> list[Fault]:
         try:
             action = fields[0]
             point, step = fields[1].split("=")
-            extras = {"rank": "0", "seconds": "0"}
+            extras = {"rank": "0", "seconds": "0", "peer": "-1"}
             for extra in fields[2:]:
                 key, value = extra.split("=")
                 if key not in extras:
                     raise ValueError(key)
                 extras[key] = value
-            fault = Fault(action, point, int(step), int(extras["rank"]), float(extras["seconds"]))
+            fault = Fault(action, point, int(step), int(extras["rank"]), float(extras["seconds"]), int(extras["peer"]))
         except (IndexError, ValueError) as err:
             raise ValueError(
-                f"bad fault {entry!r}: expected ACTION:POINT=STEP[:rank=R][:seconds=S], e.g. kill:step=7:rank=1"
+                f"bad fault {entry!r}: expected ACTION:POINT=STEP[:rank=R][:seconds=S][:peer=P], "
+                "e.g. kill:step=7:rank=1"
             ) from err
         if fault.action not in ACTIONS or fault.point not in POINTS:
             raise ValueError(f"bad fault {entry!r}: action must be one of {ACTIONS}, point one of {POINTS}")
-        if fault.action in ("stop", "preempt") and fault.point != "step":
+        if fault.action in ("stop", "preempt", "partition") and fault.point != "step":
             raise ValueError(f"bad fault {entry!r}: {fault.action} goes only with the step point")
         if fault.action == "pause" and fault.point not in ("step", "restore"):
             raise ValueError(f"bad fault {entry!r}: pause goes only with the step and restore points")
+        if (fault.action == "partition") != (fault.peer >= 0) or fault.peer == fault.rank:
+            raise ValueError(f"bad fault {entry!r}: peer=P (another rank) goes with partition, and only with it")
         if (fault.action in TIMED) != (fault.seconds > 0):
             raise ValueError(f"bad fault {entry!r}: seconds=S (> 0) goes with {' and '.join(TIMED)}, "
                              "and only with them")
@@ -118,10 +126,13 @@ class FaultInjector:
     pause in every attempt)."""
 
     def __init__(self, faults: list[Fault], rank: int, filesystem: pafs.FileSystem, marker_dir: str):
-        self.faults = [f for f in faults if f.rank == rank]
+        self.faults = [f for f in faults if f.rank == rank and f.action != "partition"]
+        self._partitions = {f.step: f.peer if f.rank == rank else f.rank
+                            for f in faults if f.action == "partition" and rank in (f.rank, f.peer)}
         self.filesystem = filesystem
         self.marker_dir = marker_dir
         self._preemption_notice = False
+        self.unreachable: set[int] = set()  # ranks a partition cut this process off from
 
     @classmethod
     def from_plan(
@@ -134,6 +145,9 @@ class FaultInjector:
     def fire(self, point: str, step: int) -> None:
         """Fire the fault planned at (point, step) unless it already fired in this run; at a point
         other than ``step``, also one planned at an earlier step (a save deferred past it)."""
+        if point == "step" and step in self._partitions:
+            logger.warning("Injecting fault partition-step-%d: cut off from rank %d", step, self._partitions[step])
+            self.unreachable.add(self._partitions[step])
         for fault in self.faults:
             due = fault.step == step if point == "step" else fault.step <= step
             if fault.point == point and due and fault.action == "pause":

@@ -29,8 +29,8 @@ def storage(tmp_path) -> CheckpointStorage:
     return CheckpointStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
 
 
-def no_faults(storage: CheckpointStorage, plan: str = "") -> FaultInjector:
-    return FaultInjector(parse_faults(plan), 0, storage.filesystem, f"{storage.experiment_path}/.faults")
+def no_faults(storage: CheckpointStorage, plan: str = "", rank: int = 0) -> FaultInjector:
+    return FaultInjector(parse_faults(plan), rank, storage.filesystem, f"{storage.experiment_path}/.faults")
 
 
 def make_components(seed: int) -> TrainingComponents:
@@ -163,7 +163,9 @@ def test_fault_plan_parsing_and_fire_once(storage):
     assert parse_faults("pause:restore=0:seconds=0.5;preempt:step=4") == [
         Fault("pause", "restore", 0, 0, 0.5), Fault("preempt", "step", 4)]
     for bad in ("kill", "kill:step", "explode:step=3", "kill:later=3", "kill:step=3:node=2", "stop:upload=3",
-                "pause:step=3", "pause:upload=3:seconds=1", "preempt:upload=3", "kill:step=3:seconds=1"):
+                "pause:step=3", "pause:upload=3:seconds=1", "preempt:upload=3", "kill:step=3:seconds=1",
+                "partition:step=3:rank=1", "partition:upload=3:peer=1", "kill:step=3:peer=1",
+                "partition:step=3:rank=1:peer=1"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
     injector = no_faults(storage, "raise:step=3")
@@ -180,6 +182,15 @@ def test_fault_plan_parsing_and_fire_once(storage):
     with pytest.raises(OSError, match="fail_write-upload-15"):
         injector.fire("upload", 16)
     injector.fire("upload", 20)
+    # A partition cuts both of its replicas off from each other, after its step, in their processes.
+    plan = "partition:step=20:rank=1:peer=2"
+    assert parse_faults(plan) == [Fault("partition", "step", 20, 1, peer=2)]
+    injectors = [no_faults(storage, plan, rank) for rank in range(3)]
+    for injector in injectors:
+        injector.fire("step", 19)
+        assert injector.unreachable == set()
+        injector.fire("step", 20)
+    assert [injector.unreachable for injector in injectors] == [set(), {2}, {1}]
     # A pause recurs in every attempt; a preemption notice is taken once.
     for attempt in range(2):
         injector = no_faults(storage, "pause:step=5:seconds=0.2;preempt:step=6")

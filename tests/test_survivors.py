@@ -269,6 +269,28 @@ def test_the_lead_working_alone_between_steps_longer_than_the_collective_timeout
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
 
 
+def test_a_pair_of_replicas_that_cannot_reach_each_other_loses_one_and_the_rest_train_on(uninterrupted, tmp_path):
+    """After step 20, replicas 1 and 2 can no longer reach each other, though both reach the
+    coordinator and replica 0 (an injected partition: their exchanges and the groups they form
+    together fail). Once the pair alone failed to form the group twice, replica 2 is left out;
+    replicas 0 and 1 train on (Ray replaces replica 2's process, which may join before the end),
+    and the run ends bitwise like the uninterrupted one (re-forming with both would fail until
+    every replica gave up)."""
+    record = tmp_path / "rec"
+    record.mkdir()
+    storage = tmp_path / "storage"
+    config = {**uninterrupted.job, "record_dir": str(record), "faults": "partition:step=20:rank=1:peer=2",
+              "volume": {**uninterrupted.job["volume"], "cache_dir": str(tmp_path / "cache")}}
+    result = fit_survivors(config, storage, "partition", max_failures=1)
+    assert result.error is None
+    events = read_events(pafs.LocalFileSystem(), str(storage / "partition"))
+    changes = [(e["lost"], e["joined"]) for e in events if e["kind"] == "membership" and (e["lost"] or e["joined"])]
+    assert changes[0] == ([2], []) and all(change == ([], [2]) for change in changes[1:]), changes
+    steps = [r["step"] for r in records_of(record, kind="step", pid=pid_of(record, 0))]
+    assert steps == list(range(1, 61))  # the lead never left its process
+    trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
+
+
 def fit_survivors_in_driver(config: dict) -> dict:
     """Runs in a driver process: ``survivor_fn`` with the recommended configuration in survivor mode."""
     import ray

@@ -23,6 +23,12 @@ state is left (the source died while copying, or every member died while replace
 next membership restores from storage: its source reads the newest complete checkpoint, under a new
 attempt number, and the others copy from it, so committed checkpoints are never written over. The
 first membership of a worker group starts that way too, so that every replica starts from one read.
+
+Two members that reach the coordinator but not each other (a partition between their nodes) fail
+to form every group they are both in, while the others form it: once such a pair alone failed
+:data:`PAIR_FAILURES_TO_DROP` formations, the next membership leaves one of them out (never the
+lead), whose process must restart (Ray replaces it, and its replacement joins), and the rest train
+on instead of re-forming until every replica gives up.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+from collections import Counter
 from typing import Any
 
 import ray
@@ -48,6 +55,7 @@ def lost_key(epoch: int) -> str:
     return f"lost/{epoch}"
 
 UNRESPONSIVE_S = 120.0  # a live replica that never reports a membership change is dropped after this
+PAIR_FAILURES_TO_DROP = 2  # formations a pair alone failed before one of the two is dropped
 JOIN_TIMEOUT_S = 600.0  # a replacement not taken in by then fails (Ray starts it again)
 FINAL_REPLACEMENT_WAIT_S = 120.0  # at the run's end, how long the lead waits for Ray's replacements to start
 
@@ -106,6 +114,8 @@ class MembershipCoordinator:
         self._host = ""
         self._connected: dict[str, int] = {}  # live replica token -> replica id
         self._silence = SilenceRule()  # when a replica's heartbeats have stopped
+        self._formation_failed: set[str] = set()  # tokens that could not form the current membership's group
+        self._pair_failures: Counter[tuple[int, int]] = Counter()  # formations a pair alone failed
         self._changed = asyncio.Condition()
         self._current: Membership | None = None
         self._tokens: dict[int, str] = {}  # replica id -> token of the current membership's members
@@ -171,15 +181,19 @@ class MembershipCoordinator:
                 return self._finished_membership()
             return self._current
 
-    async def reform(self, epoch: int, token: str, applied_step: int, has_state: bool) -> Membership:
+    async def reform(self, epoch: int, token: str, applied_step: int, has_state: bool,
+                     formation_failed: bool = False) -> Membership:
         """A member of membership ``epoch`` asks for the next one, having applied ``applied_step``
-        (meaningful only when it ``has_state``)."""
+        (meaningful only when it ``has_state``); ``formation_failed``: it could not form
+        membership ``epoch``'s group (a member it cannot reach)."""
         async with self._changed:
             if self._current.epoch != epoch or token not in self._tokens.values():
                 if self._current.epoch > epoch and token in self._tokens.values():
                     return self._current  # formed while this member was on its way
                 raise RuntimeError(f"replica {token} was dropped from membership {epoch}; it must restart")
             self._reports[token] = Report(applied_step, has_state)
+            if formation_failed:
+                self._formation_failed.add(token)
             self._store.set(lost_key(epoch), "1")  # members still inside a collective stop waiting
             if not self._all_reported():
                 try:
@@ -240,8 +254,9 @@ class MembershipCoordinator:
 
     def _form_next(self) -> None:
         old = self._current
-        reported = {replica: token for replica, token in self._tokens.items()
-                    if token in self._reports and token in self._connected}
+        reported = self._without_a_partitioned_member({replica: token for replica, token in self._tokens.items()
+                                                       if token in self._reports and token in self._connected})
+        self._formation_failed = set()
         joiners = {replica: token for replica, token in self._joiners.items() if token in self._connected}
         current = next_membership(old, {replica: self._reports[token] for replica, token in reported.items()},
                                   tuple(joiners))
@@ -255,6 +270,24 @@ class MembershipCoordinator:
                     "storage" if current.from_storage else f"step {current.step} of replica {current.source}",
                     sorted(before - set(current.members)), sorted(set(current.members) - before))
         self._changed.notify_all()
+
+    def _without_a_partitioned_member(self, reported: dict[int, str]) -> dict[int, str]:
+        """``reported`` less one member of a pair that alone failed to form the group
+        :data:`PAIR_FAILURES_TO_DROP` times while the other members formed it: the two reach the
+        coordinator but not each other (a partition), and re-forming with both would fail for ever.
+        The lead is kept; else the pair's lower replica id."""
+        failed = tuple(sorted(r for r, token in reported.items() if token in self._formation_failed))
+        if len(failed) != 2 or len(reported) == 2:
+            return reported
+        self._pair_failures[failed] += 1
+        if self._pair_failures[failed] < PAIR_FAILURES_TO_DROP:
+            return reported
+        del self._pair_failures[failed]
+        dropped = failed[0] if failed[1] == self._current.lead else failed[1]
+        logger.warning("Replicas %d and %d failed to form a group together %d times while the others formed it "
+                       "(they cannot reach each other): dropping replica %d so that the rest train on",
+                       *failed, PAIR_FAILURES_TO_DROP, dropped)
+        return {replica: token for replica, token in reported.items() if replica != dropped}
 
     def _finished_membership(self) -> Membership:
         if self._final_error is not None:

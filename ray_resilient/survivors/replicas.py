@@ -110,6 +110,10 @@ class ReplicaLostError(RuntimeError):
     """A member of this replica's membership is gone (or another member found one gone)."""
 
 
+class FormationError(RuntimeError):
+    """This replica could not form its membership's group (a member it cannot reach)."""
+
+
 class SurvivingReplicas:
     """This worker's replica in survivor mode (a ``TorchTrainer`` with ``SurvivorConfig``).
 
@@ -217,6 +221,7 @@ class SurvivingReplicas:
         self._copy_group: Any = None  # the source's and the replicas' behind it, while it copies
         self._trained = False  # whether this process applied a step
         self._reforms_without_a_step = 0
+        self._formation_failed = False  # this replica could not form the membership it last took
         self._holds_state = False  # restored from storage, or copied from a replica that held it
         self._abandoned: list[Any] = []  # gloo groups left inside a collective with a lost replica
 
@@ -288,6 +293,9 @@ class SurvivingReplicas:
                 self._store.set(lead_step_key(self._membership.epoch), str(self.step + 1))
             controls = self._gradients(loss_of)
             try:
+                cut_off = self._faults.unreachable & set(self._membership.members)
+                if cut_off:  # an injected partition: what gloo would find, at once
+                    raise RuntimeError(f"replica {self.replica} cannot reach replicas {sorted(cut_off)}")
                 if not self.is_lead:
                     self._wait_for_the_lead()
                 reduced, controls = self._exchange.reduce(self._group, self._membership.rank(self.replica), controls,
@@ -390,7 +398,7 @@ class SurvivingReplicas:
                 raise RuntimeError(f"replica {self.replica} re-formed its group {MAX_REFORMS_WITHOUT_A_STEP} times "
                                    f"without training a step (at step {self.step}): giving up rather than looping")
             membership = ray.get(self._coordinator.reform.remote(self._membership.epoch, self._token, self.step,
-                                                                 self._holds_state))
+                                                                 self._holds_state, self._formation_failed))
             if self._take(membership):
                 return
 
@@ -411,9 +419,10 @@ class SurvivingReplicas:
                 time.sleep(LOST_POLL_S)
             self._enter(membership, previous, started)
             return True
-        except RuntimeError as err:  # gloo's error, or ReplicaLostError
+        except RuntimeError as err:  # gloo's error, ReplicaLostError or FormationError
             logger.warning("Membership %d lost a replica as it formed (%s)", membership.epoch,
                            str(err).splitlines()[0][:200])
+            self._formation_failed = isinstance(err, FormationError)
             return False
 
     def _enter(self, membership: Membership, previous: Membership | None, started: float) -> None:
@@ -424,9 +433,18 @@ class SurvivingReplicas:
             self._goodput.follow_run()
             if self._policy is not None:
                 self._policy.restored(self.step)
+        self._formation_failed = False
         store = dist.PrefixStore(f"membership{membership.epoch}/", self._store)
-        self._group = gloo_group(store, membership.rank(self.replica), len(membership.members), self.timeout,
-                                 self._node_ip)
+        try:
+            self._group = gloo_group(store, membership.rank(self.replica), len(membership.members), self.timeout,
+                                     self._node_ip)
+        except RuntimeError as err:
+            raise FormationError(f"replica {self.replica} could not form membership {membership.epoch}'s group: "
+                                 f"{str(err).splitlines()[0][:200]}") from err
+        self._faults.unreachable &= set(membership.members)  # an injected partition ends with a side leaving
+        if self._faults.unreachable:
+            self._abandoned.append(self._group)
+            raise FormationError(f"replica {self.replica} cannot reach replicas {sorted(self._faults.unreachable)}")
         copy_started = time.time()
         sent = self._copy_state() if membership.behind else 0
         if membership.from_storage:
