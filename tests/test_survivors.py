@@ -184,7 +184,9 @@ def test_survivors_keep_training_through_two_kills_and_end_bitwise_like_an_unint
         steps_of[r["pid"]].append(r["step"])
     assert steps_of[first[2]] == list(range(1, 61))
     survivor_of_kill_1 = steps_of[first[0]]
-    assert survivor_of_kill_1 == list(range(1, len(survivor_of_kill_1) + 1)) and len(survivor_of_kill_1) >= 30
+    # (It was killed while its save of step 30 was being written: inside step 30's train_step, which
+    # may have been before it recorded step 30.)
+    assert survivor_of_kill_1 == list(range(1, len(survivor_of_kill_1) + 1)) and len(survivor_of_kill_1) >= 29
 
     # Every sample of every epoch trained exactly once in kept steps: each step committed once per
     # process, all of that step's processes agree on who trained it, and the micro-batches its
