@@ -187,6 +187,9 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(mode,
         assert log.count("[survivors] ") == 1 and "[attempt 2]" not in log
     else:
         assert "[attempt 2]" in log
+        # A death is no hang: the rank left waiting for the killed one is not declared hung.
+        assert "declared hung" not in log
+        assert not [e for e in read_events(pafs.LocalFileSystem(), str(run_dir)) if e["kind"] == "hang"]
     assert killed["val_accuracy"] >= PROMISED_VAL_ACCURACY and 0 < killed["goodput"] < 1
     assert (run_dir / "goodput_timeline.png").stat().st_size > 10_000
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
