@@ -409,8 +409,9 @@ def test_the_allowance_is_a_multiple_of_the_longest_stretch_without_progress_of_
 
 
 def test_the_librarys_own_long_waits_are_progress(tmp_path):
-    """Watching another driver's lease until it expires, and verifying a restore's files, tick the
-    process's reporter as they get on (a watch over 600 s, or a long verification, is no hang)."""
+    """Watching another driver's lease until it expires, verifying a restore's files and reading
+    them tick the process's reporter as they get on (a watch over 600 s, or a long restore, is no
+    hang)."""
     import hashlib
 
     from ray_resilient.checkpoint.integrity import verify_file
@@ -436,6 +437,17 @@ def test_the_librarys_own_long_waits_are_progress(tmp_path):
     verify_file(filesystem, run_dir, "shard.distcp", {"sha256": hashlib.sha256(shard).hexdigest(), "bytes": len(shard)},
                 len(shard))
     assert progress.progress - before >= 3
+    # Reading a checkpoint (DCP, through the restore's planner): each tensor read ticks.
+    import torch.distributed.checkpoint as dcp
+
+    from ray_resilient.checkpoint.safe_loading import WeightsOnlyLoadPlanner
+
+    state = {f"layer{i}": torch.randn(4) for i in range(5)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "checkpoint"))
+    before = progress.progress
+    dcp.load({k: torch.zeros(4) for k in state}, checkpoint_id=str(tmp_path / "checkpoint"),
+             planner=WeightsOnlyLoadPlanner())
+    assert progress.progress - before >= 5
     progress.close()
 
 

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ray_resilient._torch_internals import METADATA_PRIVATE_GLOBALS, set_loaded_value
+from ray_resilient.watchdog.progress import note_progress
 
 # numpy's RNG state holds a uint32 array: what ``torch.load`` needs to rebuild one.
 NUMPY_ARRAY_GLOBALS = [np.zeros(1).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
@@ -64,9 +65,15 @@ def read_metadata(stream: BinaryIO) -> Metadata:
 
 
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, loading non-tensor values with ``torch.load(weights_only=True)``."""
+    """DCP's default load planner, loading non-tensor values with ``torch.load(weights_only=True)``;
+    each value loaded is progress for the hang watchdog (a long restore that reads on is no hang)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         with torch.serialization.safe_globals(NUMPY_ARRAY_GLOBALS):
             loaded = torch.load(value, weights_only=True)
         set_loaded_value(self, read_item, loaded)
+        note_progress()
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        note_progress()
