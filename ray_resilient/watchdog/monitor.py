@@ -65,7 +65,7 @@ from ray_resilient.watchdog.silence import SilenceRule
 
 logger = logging.getLogger(__name__)
 
-CHECK_EVERY_S = 0.25
+CHECK_EVERY_S = 0.25  # at most; sooner when a rank's silence is about to exceed the threshold
 LATE_S = 0.5  # a check this much later than due: the watchdog itself was starved, skip it
 FIND_TIMEOUT_S = 60.0  # how long a rank looks for the watchdog rank 0 just created
 STACK_WAIT_S = 1.0  # how long a hung rank's own thread may take to send its stack
@@ -217,17 +217,20 @@ class HangWatchdog:
                 writer.close()
 
     async def _check(self) -> None:
-        """Declare one culprit, silent or without progress (see the module docstring)."""
-        last = time.monotonic()
+        """Declare one culprit, silent or without progress (see the module docstring): checked every
+        :data:`CHECK_EVERY_S`, and the moment the first silence would exceed the threshold."""
+        last, wait = time.monotonic(), CHECK_EVERY_S
         while True:
-            await asyncio.sleep(CHECK_EVERY_S)
+            await asyncio.sleep(wait)
             now = time.monotonic()
-            late, last = now - last - CHECK_EVERY_S > LATE_S, now
+            late, last = now - last - wait > LATE_S, now
+            threshold = self.silence_threshold()
+            first_silent = min((r.heard + threshold for r in self._ranks.values()), default=now + CHECK_EVERY_S)
+            wait = min(CHECK_EVERY_S, max(0.005, first_silent - now + 0.005))
             if self._failing is not None:
                 return
             if late or not self._ranks:
                 continue
-            threshold = self.silence_threshold()
             silent = [r for r in self._ranks.values() if now - r.heard > threshold]
             if silent:
                 culprit = min(silent, key=lambda r: r.heard)
