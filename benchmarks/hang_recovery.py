@@ -110,6 +110,15 @@ def hang_timings(events: list[dict[str, Any]], stop_step: int) -> tuple[float, f
     return hang["t"] - stop, first_after - stop
 
 
+def evidence(events: list[dict[str, Any]]) -> str:
+    """What a run went through: its attempts and the longest time between two of rank 0's steps
+    (the pause, the slow save or restore the scenario put there)."""
+    attempts = sum(e["kind"] == "attempt_start" and e["rank"] == 0 for e in events)
+    steps = sorted(e["t"] for e in events if e["kind"] == "step" and e["rank"] == 0)
+    longest = max((b - a for a, b in zip(steps, steps[1:])), default=0.0)
+    return f"{attempts} attempt(s), {len(steps)} steps, at most {longest:.1f} s between two steps"
+
+
 def false_alarm_plans(steps: int, args: argparse.Namespace) -> dict[str, list[str]]:
     """Each scenario of the false-alarm suite: the fault plans of the runs it starts at once."""
     per_epoch = steps // args.epochs
@@ -174,6 +183,8 @@ def main() -> None:
                 alarms += len(hangs) if events is not None else max(1, len(hangs))
                 for hang in hangs:
                     print(f"  {name}: {hang['error'].splitlines()[0][:300]}")
+                if events is not None:
+                    print(f"  {name}: {evidence(events)}")
             false_alarms += alarms
             print(f"{scenario} ({'; '.join(p or 'no faults' for p in plans)}): {alarms} false alarms")
     print(f"hang_detect_seconds={detect:.2f} hang_recover_seconds={recover:.2f} false_alarms={false_alarms} "
