@@ -222,7 +222,7 @@ def test_a_torn_last_line_is_skipped(local_run):
 def test_stray_files_and_lines_in_the_ledger_are_skipped_naming_them(local_run, tmp_path, caplog, capsys, monkeypatch):
     """A messy run directory: files that are not a process's log, a log that is not text, lines
     that are not events (a time that is a string, a step without its step number, an unknown kind,
-    not an object). Each is skipped with a warning naming it; the breakdown is the hand-computed
+    not an object, a time that is infinite or not a number). Each is skipped with a warning naming it; the breakdown is the hand-computed
     one; a restore's live goodput and the CLI's report still answer."""
     import os
     import time
@@ -237,7 +237,9 @@ def test_stray_files_and_lines_in_the_ledger_are_skipped_naming_them(local_run, 
     (ledger / "1733000000000000000-rank0-8.jsonl").write_bytes(b"\xff\xfe\x00 not text")
     bad_lines = ['{"t": "soon", "kind": "step", "process": "p", "step": 9, "t_start": 1.0}',
                  '{"t": 30.0, "kind": "step", "process": "p", "t_start": 29.0}',
-                 '{"t": 30.0, "kind": "checkpoint_exploded", "process": "p"}', '[1, 2]', '"step"']
+                 '{"t": 30.0, "kind": "checkpoint_exploded", "process": "p"}', '[1, 2]', '"step"',
+                 '{"t": Infinity, "kind": "step", "process": "p", "step": 9, "t_start": 1.0}',
+                 '{"t": 30.0, "kind": "save", "process": "p", "step": 9, "t_start": NaN}']
     (ledger / "1733000000000000000-rank0-9.jsonl").write_text("\n".join(bad_lines) + "\n")
     with caplog.at_level("WARNING", logger="ray_resilient.goodput.ledger"):
         events = read_events(pafs.LocalFileSystem(), local_run)

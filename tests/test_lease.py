@@ -261,3 +261,26 @@ def test_a_taker_watches_a_lease_for_the_ttl_its_holder_declared(run_dir, caplog
         assert not any(f"watching it for {taker_ttl_s:.0f}s" in r.getMessage() for r in caplog.records)
     finally:
         taker.release()
+
+
+def test_a_lease_declaring_an_endless_ttl_is_watched_an_hour_at_most(tmp_path, caplog):
+    """A lease file whose holder declares it never expires (``Infinity``, or 1e300 s) would make
+    every later driver wait for ever: it is watched for an hour at most."""
+    import threading
+
+    filesystem, path = pafs.LocalFileSystem(), str(tmp_path / "run")
+    filesystem.create_dir(path)
+    with open(f"{path}/{LEASE_FILE}", "w") as out:
+        out.write('{"run_id": "run-x", "holder": "host h pid 1", "renewed": 1.0, "expires": Infinity}')
+    taker = RunLease(filesystem, path, "run-b", ttl_s=2.0, settle_s=0.0)
+    with caplog.at_level("WARNING", logger="ray_resilient.checkpoint.lease"):
+        thread = threading.Thread(target=taker.acquire)
+        thread.start()
+        wait_until(lambda: any("watching it for 3600s" in r.getMessage() for r in caplog.records), timeout=30,
+                   what="the taker to watch the lease for an hour")
+        filesystem.delete_file(f"{path}/{LEASE_FILE}")  # (the test does not wait the hour)
+        thread.join(timeout=60)
+    try:
+        assert "declares a TTL of inf s" in caplog.text and taker.read_record().run_id == "run-b"
+    finally:
+        taker.release()

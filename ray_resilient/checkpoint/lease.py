@@ -49,6 +49,7 @@ LEASE_FILE = ".lease"
 TTL_S = 30.0  # a lease not renewed for this long is taken over (its driver is gone)
 RENEWALS_PER_TTL = 6  # the holder renews every ttl_s / 6 by default
 SETTLE_S = 0.5  # a new holder reads its lease back this long after writing it
+MAX_FOREIGN_TTL_S = 3600.0  # the longest another run's lease is watched, whatever TTL it declares
 
 
 class RunLeaseHeldError(UnrecoverableRunError):
@@ -149,8 +150,16 @@ class RunLease:
         self._thread.start()
 
     def _ttl_of(self, record: LeaseRecord | None) -> float:
-        """How long ``record``'s holder may go unrenewed: the TTL it declared, else this lease's."""
-        return record.ttl_s if record is not None and record.ttl_s > 0 else self.ttl_s
+        """How long ``record``'s holder may go unrenewed: the TTL it declared (at most
+        :data:`MAX_FOREIGN_TTL_S`, or this lease's if longer), else this lease's."""
+        if record is None or not record.ttl_s > 0:
+            return self.ttl_s
+        cap = max(MAX_FOREIGN_TTL_S, self.ttl_s)
+        if not record.ttl_s <= cap:  # inf and nan too
+            logger.warning("The lease of %s declares a TTL of %s s; watching it for at most %.0f s",
+                           record.describe(), record.ttl_s, cap)
+            return cap
+        return record.ttl_s
 
     def _watch(self, found: bytes, watch_s: float) -> bool:
         """Watch the lease file, holding ``found``, for ``watch_s`` on this machine's monotonic clock:

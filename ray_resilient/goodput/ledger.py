@@ -31,6 +31,7 @@ ledger never fails a restore.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import re
@@ -178,7 +179,8 @@ def read_events(filesystem: pafs.FileSystem, experiment_path: str) -> list[dict[
 
 def _parse_event(line: str) -> dict[str, Any] | None:
     """The event of a ledger line; None when it is not one (a JSON object of a known kind, with a
-    time, a process and the fields its kind carries: :data:`~.events.REQUIRED_FIELDS`)."""
+    time, a process and the fields its kind carries, :data:`~.events.REQUIRED_FIELDS`, its numbers
+    finite: JSON's ``Infinity`` and ``NaN`` parse, and would make every share ``nan``)."""
     try:
         event = json.loads(line)
         kind = EventKind(event["kind"])
@@ -189,7 +191,8 @@ def _parse_event(line: str) -> dict[str, Any] | None:
     for field in ("t", *REQUIRED_FIELDS[kind]):
         value = event.get(field)
         expected = list if field == "lost" else (int, float)
-        if not isinstance(value, expected) or isinstance(value, bool):
+        if not isinstance(value, expected) or isinstance(value, bool) or (
+                expected is not list and not math.isfinite(value)):
             return None
     return event
 
