@@ -270,6 +270,25 @@ def test_s3_throttling_is_retried_until_it_ends_and_a_full_local_disk_is_named_a
         proxy.close()
 
 
+def test_a_loaders_retries_of_a_throttled_volume_count_as_its_progress(image_dir, s3_server, tmp_path):
+    """The volume throttles (503 SlowDown) for 2 s as the loader starts: its download process
+    retries, and each retry reaches the loader's count of progress (what the hang watchdog polls
+    while the training loop waits for the batch), beside the samples read."""
+    proxy = ThrottlingProxy(s3_server.endpoint)
+    try:
+        volume = _s3_volume(image_dir, s3_server, "throttled-loader", f"http://127.0.0.1:{proxy.port}")
+        loader = make_loader(volume, tmp_path / "cache", workers=0)
+        assert loader.loading_progress == 0
+        proxy.throttling.set()
+        threading.Timer(2.0, proxy.throttling.clear).start()  # S3 throttles for 2 s
+        batch = next(iter(loader))
+        retried = loader.volume_dataset.reads_retried
+        assert proxy.throttled >= retried >= 1
+        assert loader.loading_progress == loader.samples_read + retried and loader.samples_read >= len(batch.labels)
+    finally:
+        proxy.close()
+
+
 def _fetch_into_cache(volume: Volume, cache_dir: str, files: list[tuple[str, int]]) -> list[str]:
     cache = FileCache(cache_dir)
     return [cache.fetch(path, size, lambda dest, path=path: volume.download(path, dest)) for path, size in files]

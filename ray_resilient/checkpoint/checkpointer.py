@@ -129,9 +129,8 @@ class Checkpointer:
             save's staging: 10 x the one before's, if more; waiting for a save to become durable
             (a preemption save, the final save, closing): ``save_timeout_s`` more. Progress: the
             forward and backward of the model's modules, each tensor a save stages, each file or
-            chunk a restore verifies or fetches, each sample the data loader reads, each step and
-            ``progress(phase)`` (the volume's retries of a failing read, bounded by its 30 s
-            ``retry_seconds``, fit in the 60 s). At a step where an earlier attempt was
+            chunk a restore verifies or fetches, each sample the data loader reads and each failed
+            read it retries, each step and ``progress(phase)``. At a step where an earlier attempt was
             declared hung, the allowance doubles. None: only Ray's worker health check
             (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
         attempt_hooks: called at points of each attempt
@@ -228,7 +227,7 @@ class Checkpointer:
                 self.storage, identities, silent_floor_s=config.silent_floor_s)
         name = broadcast_from_rank0(self._writer.group, name)
         data = self.components.data
-        sources = [lambda: data.samples_read] if isinstance(data, DataProgressSource) else []
+        sources = [lambda: data.loading_progress] if isinstance(data, DataProgressSource) else []
         return watchdog, ProgressReporter(config, lambda: watchdog_address(name), identity, sources)
 
     def _note(self, phase: str, allowance_s: float | None = None) -> None:

@@ -21,11 +21,12 @@ class DataWaitSource(Protocol):
 class DataProgressSource(Protocol):
     """A data position whose loading shows progress while the loop waits for it (a
     :class:`~ray_resilient.data.VolumeDataLoader`): the hang watchdog counts each sample its
-    worker processes read as progress, so a slow volume that is getting on is not a hang."""
+    worker processes read, and each failed read they retry, as progress, so a slow or flaky volume
+    that is getting on is not a hang."""
 
     @property
-    def samples_read(self) -> int:
-        """Samples read so far, in every worker process (monotonic)."""
+    def loading_progress(self) -> int:
+        """Samples read plus failed reads retried so far, in every worker process (monotonic)."""
         ...
 
 

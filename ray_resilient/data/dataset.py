@@ -149,6 +149,7 @@ class StreamingVolumeDataset(IterableDataset):
         # Samples read, a slot per worker process (one writer each: exact without a lock, which
         # spawned workers could not share).
         self._samples_read = multiprocessing.get_context().RawArray("q", READ_COUNTER_SLOTS)
+        self._reads_retried = multiprocessing.get_context().RawArray("q", READ_COUNTER_SLOTS)  # likewise
         self._prefetcher: Prefetcher | None = None
         self._reported = CacheStats()
 
@@ -169,6 +170,16 @@ class StreamingVolumeDataset(IterableDataset):
         """Samples read so far (counted as each one's decoding starts), by every process iterating
         this dataset: the hang watchdog's progress while the training loop waits for a batch."""
         return sum(self._samples_read)
+
+    @property
+    def reads_retried(self) -> int:
+        """Failed reads of the volume retried so far, by every process iterating this dataset: the
+        hang watchdog's progress while the volume retries (its ``retry_seconds`` bound them)."""
+        return sum(self._reads_retried)
+
+    def _count_retry(self) -> None:
+        info = get_worker_info()
+        self._reads_retried[(info.id if info is not None else 0) % READ_COUNTER_SLOTS] += 1
 
     def set_start(self, epoch: int, batch: int, micro_batches: tuple[int, int, int] | None = None) -> None:
         """Where the next iteration starts: the rank's batch ``batch`` of ``epoch``; in survivor
@@ -192,7 +203,7 @@ class StreamingVolumeDataset(IterableDataset):
             streaming = self.streaming
             cache = FileCache(self.cache_dir, streaming.cache_limit)
             self._prefetcher = Prefetcher(self.volume, cache, streaming.prefetch_threads, streaming.prefetch_files,
-                                          streaming.prefetch_bytes)
+                                          streaming.prefetch_bytes, self._count_retry)
             if get_worker_info() is not None:
                 # A worker's heap is mostly what its imports made (torch, torchvision, pyarrow,
                 # botocore). A full collection traverses all of it holding the GIL, about 0.3 s

@@ -11,7 +11,8 @@ process, a fresh interpreter that imports only what downloading needs (pyarrow, 
 urllib3: not torch or Ray), runs ``threads`` downloads at a time, and runs at a lower CPU
 priority (:data:`NICENESS`) than the worker. They talk over a socket pair (a ``multiprocessing``
 connection each end): ``("fetch", ticket, path, size)`` and ``("cancel", ticket)`` one way, a
-:class:`Fetched` per ticket the other. The child exits once its parent closes the socket or dies
+:class:`Fetched` per ticket the other, and a :class:`Retrying` each time a failed read of a ticket
+is retried (the parent counts it as progress, for the hang watchdog). The child exits once its parent closes the socket or dies
 (it reads end of file), after finishing the downloads it started: a file is complete in the
 cache or not there (see :mod:`ray_resilient.data.cache`).
 """
@@ -52,15 +53,23 @@ class Fetched(NamedTuple):
     seconds: float
 
 
+class Retrying(NamedTuple):
+    """A failed read of ``ticket``'s file is being retried."""
+
+    ticket: int
+
+
 class DownloadProcess:
     """The parent's end: submit files, receive their outcomes, cancel the ones no longer wanted.
 
-    Every outcome received goes to ``on_fetched`` (cache statistics), whether it is received by
-    :meth:`wait` or by :meth:`poll`. Not thread-safe: one consumer (a worker's iteration) drives it.
+    Every outcome received goes to ``on_fetched`` (cache statistics), and every retry to
+    ``on_retry``, whether received by :meth:`wait` or by :meth:`poll`. Not thread-safe: one
+    consumer (a worker's iteration) drives it.
     """
 
-    def __init__(self, volume: Volume, cache: FileCache, threads: int, on_fetched: Callable[[Fetched], None]):
-        self.volume, self.on_fetched = volume, on_fetched
+    def __init__(self, volume: Volume, cache: FileCache, threads: int, on_fetched: Callable[[Fetched], None],
+                 on_retry: Callable[[], None] = lambda: None):
+        self.volume, self.on_fetched, self.on_retry = volume, on_fetched, on_retry
         parent, child = socket.socketpair()
         with child:
             self._proc = subprocess.Popen(_child_command(child.fileno()), pass_fds=(child.fileno(),),
@@ -99,12 +108,14 @@ class DownloadProcess:
 
     def _receive(self) -> None:
         try:
-            fetched: Fetched = self._conn.recv()
+            fetched: Fetched | Retrying = self._conn.recv()
         except (EOFError, OSError) as err:
             code = self._proc.poll()
             raise VolumeError(f"the download process for {self.volume.uri} exited (code {code}; its errors "
                               f"are on this worker's stderr): {err!r}") from err
-        if fetched.ticket in self._pending:  # else: cancelled meanwhile
+        if isinstance(fetched, Retrying):
+            self.on_retry()
+        elif fetched.ticket in self._pending:  # else: cancelled meanwhile
             self._pending.discard(fetched.ticket)
             self._done[fetched.ticket] = fetched
             self.on_fetched(fetched)
@@ -138,22 +149,25 @@ def serve(fd: int) -> None:
     send_lock, futures_lock = threading.Lock(), threading.Lock()
     futures: dict[int, Future[None]] = {}  # submitted and not finished
 
+    def send(message: Fetched | Retrying) -> None:
+        with send_lock:
+            try:
+                conn.send(message)
+            except OSError:
+                pass  # the parent is gone; the file is cached (or not) all the same
+
     def fetch(ticket: int, path: str, size: int) -> None:
         started = time.monotonic()
         error, downloaded = None, False
         try:
             if cache.lookup(path, size) is None:
-                cache.fetch(path, size, lambda dest: volume.download(path, dest))
+                cache.fetch(path, size, lambda dest: volume.download(path, dest, lambda: send(Retrying(ticket))))
                 downloaded = True
         except Exception as err:  # noqa: BLE001 - every failure goes back to the parent, named
             error = str(err) if isinstance(err, VolumeError) else f"caching {volume.uri}/{path} failed: {err!r}"
         with futures_lock:
             futures.pop(ticket, None)
-        with send_lock:
-            try:
-                conn.send(Fetched(ticket, error, downloaded, size, time.monotonic() - started))
-            except OSError:
-                pass  # the parent is gone; the file is cached (or not) all the same
+        send(Fetched(ticket, error, downloaded, size, time.monotonic() - started))
 
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ray_resilient_download") as pool:
         while True:

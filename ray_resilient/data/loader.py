@@ -127,9 +127,14 @@ class VolumeDataLoader(DataLoader):
 
     @property
     def samples_read(self) -> int:
-        """Samples the dataset's processes have read so far, for batches not yet received too
-        (the checkpointer's :class:`~ray_resilient.checkpoint.hooks.DataProgressSource`)."""
+        """Samples the dataset's processes have read so far, for batches not yet received too."""
         return self.volume_dataset.samples_read
+
+    @property
+    def loading_progress(self) -> int:
+        """Samples read plus failed volume reads retried, by the dataset's processes (the
+        checkpointer's :class:`~ray_resilient.checkpoint.hooks.DataProgressSource`)."""
+        return self.volume_dataset.samples_read + self.volume_dataset.reads_retried
 
     @property
     def global_batches(self) -> int:

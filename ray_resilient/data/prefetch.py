@@ -28,11 +28,13 @@ class Prefetcher:
     The window holds at most ``max_files`` files and ``max_bytes`` bytes (at least one file). Files
     in the window are pinned in the cache until consumed. :meth:`restart` switches to a new stream
     (the next epoch) and keeps whatever of the old window the new one starts with. Downloads run
-    ``threads`` at a time in a :class:`DownloadProcess`, started at the first cache miss.
+    ``threads`` at a time in a :class:`DownloadProcess`, started at the first cache miss;
+    ``on_retry`` is called for each failed read it retries.
     """
 
-    def __init__(self, volume: Volume, cache: FileCache, threads: int, max_files: int, max_bytes: int):
-        self.volume, self.cache, self.threads = volume, cache, threads
+    def __init__(self, volume: Volume, cache: FileCache, threads: int, max_files: int, max_bytes: int,
+                 on_retry: Callable[[], None] = lambda: None):
+        self.volume, self.cache, self.threads, self.on_retry = volume, cache, threads, on_retry
         self.max_files, self.max_bytes = max_files, max_bytes
         self._downloads: DownloadProcess | None = None
         self._window: deque[_Slot] = deque()
@@ -95,7 +97,7 @@ class Prefetcher:
 
     def _download(self, path: str, size: int) -> int:
         if self._downloads is None:
-            self._downloads = DownloadProcess(self.volume, self.cache, self.threads, self._count)
+            self._downloads = DownloadProcess(self.volume, self.cache, self.threads, self._count, self.on_retry)
         return self._downloads.submit(path, size)
 
     def _path(self, slot: _Slot) -> str:

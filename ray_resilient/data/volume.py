@@ -6,6 +6,7 @@ import fnmatch
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -126,11 +127,11 @@ class Volume:
         """(relative path, size) of every file, in order: what the plan fingerprint covers."""
         return [(f.path, f.size) for f in self.files]
 
-    def download(self, path: str, dest: str) -> int:
+    def download(self, path: str, dest: str, on_retry: Callable[[], None] | None = None) -> int:
         """Stream the file at ``path`` (relative) into the local file ``dest``; returns its size.
 
         Transient storage errors are retried for ``retry_seconds`` with exponential backoff and
-        jitter, then raise VolumeError naming the file; an error that retrying cannot fix (a
+        jitter (``on_retry`` called at each), then raise VolumeError naming the file; an error that retrying cannot fix (a
         missing file, no permission, S3's 403 or 404) raises at once, and so does an error writing
         ``dest`` (a full or read-only local disk is not a storage error).
         """
@@ -157,5 +158,7 @@ class Volume:
                 backoff = random.uniform(0.5, 1.0) * min(MAX_BACKOFF_S, 0.1 * 2**attempt)
                 delay = min(self.retry_seconds - elapsed, backoff)
                 logger.warning("reading %s failed (%s); retrying in %.2fs", full, err, delay)
+                if on_retry is not None:
+                    on_retry()
                 time.sleep(delay)
                 attempt += 1

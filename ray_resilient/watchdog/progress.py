@@ -5,8 +5,8 @@ forward and backward passes of the model's modules, from :mod:`.step_hooks`; eac
 stages; each file a restore verifies or fetches), :meth:`ProgressReporter.step` at a step's end,
 :meth:`ProgressReporter.phase` and :meth:`ProgressReporter.saving` between steps (a
 ``Checkpointer``'s ``progress(phase)`` for work that is neither). Progress made elsewhere counts
-too: the reporter's ``sources`` (the samples a data loader's worker processes read while the
-training thread waits for its batch) are polled at every beat. A daemon thread
+too: the reporter's ``sources`` (the samples a data loader's worker processes read, and the
+failed reads they retry, while the training thread waits for its batch) are polled at every beat. A daemon thread
 sends the count to the watchdog (:mod:`~ray_resilient.watchdog.monitor`) every :data:`HEARTBEAT_S`
 (the heartbeat that tells a live rank from a stopped one), with how long this rank may go without
 progress before it counts as hung: ``max(floor_s, gap_multiple x`` the p99 of its recent steps'
