@@ -143,11 +143,14 @@ def test_writes_slower_than_the_interval_defer_saves_instead_of_stalling_the_loo
 
     # Rank 1's write of checkpoint 5 takes 4 s more: checkpoint 10 stages into the second set of
     # buffers at once, and the save due at 15 finds both sets busy. Only rank 1 knows: the ranks
-    # must agree on which saves finished.
+    # must agree on which saves finished. Its write of the final checkpoint (24) takes 10 s more,
+    # which every rank waits for without progress: the hang watchdog allows that wait what bounds it
+    # (save_timeout_s), not the 6 s it allows the final save here otherwise (its startup allowance).
     slow = 4.0
     record, storage = tmp_path / "rec", tmp_path / "storage"
-    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, f"slow_write:upload=5:rank=1:seconds={slow}",
-                                                                     step_seconds=0.05),
+    faults = f"slow_write:upload=5:rank=1:seconds={slow};slow_write:upload=24:rank=1:seconds=10"
+    result = trainlib.run_job(trainlib.train_fn, trainlib.job_config(record, faults, step_seconds=0.05,
+                                                                     watchdog={"startup_allowance_s": 6.0}),
                               str(storage), "slow", num_to_keep=None)
     assert result.error is None and result.metrics["checkpoint_deferred_saves"] >= 1
     assert len(trainlib.read_attempts(str(record))) == 1

@@ -199,7 +199,8 @@ def train_fn(config: dict[str, Any]) -> None:
                       mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
                       goodput_logger=config.get("goodput_logger"),
                       goodput_log_every=config.get("goodput_log_every", 50),
-                      lease_ttl_s=config.get("lease_ttl_s", TTL_S)) as ckpt:
+                      lease_ttl_s=config.get("lease_ttl_s", TTL_S),
+                      hang_watchdog=HangWatchdogConfig(**config.get("watchdog", {}))) as ckpt:
         registered = ray.train.get_checkpoint()
         state = ckpt.restore()  # the live train state: its step counts on
         restored_step = state.step
