@@ -261,7 +261,8 @@ def test_only_the_attempts_ranks_can_talk_to_the_watchdog(ray_cluster, tmp_path)
     watchdog = HangWatchdog.remote(run_storage(tmp_path), [me])
     host, port, secret = ray.get(watchdog.start.remote())
     try:
-        for stranger in ({**me, "secret": "guessed"}, {**me, "pid": 1, "secret": secret}, "not json"):
+        for stranger in ({**me, "secret": "guessed"}, {**me, "pid": 1, "secret": secret}, {"rank": 0, "secret": secret},
+                         "not json"):
             with socket.create_connection((host, port)) as connection:
                 connection.sendall((json.dumps(stranger) + "\n").encode())
                 connection.settimeout(30)

@@ -168,8 +168,8 @@ class HangWatchdog:
         if not secrets.compare_digest(str(identity.get("secret", "")), self._secret):
             return False
         known = self._known.get(identity.get("rank"))
-        return isinstance(identity.get("rank"), int) and (
-            known is None or all(identity.get(k) == known[k] for k in ("pid", "node_id")))
+        return (isinstance(identity.get("rank"), int) and all(k in identity for k in ("pid", "host", "node_id"))
+                and (known is None or all(identity.get(k) == known[k] for k in ("pid", "node_id"))))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
