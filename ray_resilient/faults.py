@@ -1,4 +1,5 @@
-"""Fault injection at real points of a run: off unless configured, each fault fires once per run.
+"""Fault injection at real points of a run: off unless configured, each fault fires once per run
+(a pause in every attempt that passes it, a partition in the processes that trained its step).
 
 A plan is a ``;``-separated list of ``ACTION:POINT=STEP[:rank=R][:seconds=S][:peer=P]``, taken from the
 job's command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
@@ -123,12 +124,12 @@ def random_kill_plan(seed: int, *, kills: int, steps: int, interval: int, world_
 
 class FaultInjector:
     """Fires the faults of a plan on this rank, once per run (markers under ``marker_dir``; a
-    pause in every attempt)."""
+    pause in every attempt; a partition in this process, :attr:`unreachable`)."""
 
     def __init__(self, faults: list[Fault], rank: int, filesystem: pafs.FileSystem, marker_dir: str):
         self.faults = [f for f in faults if f.rank == rank and f.action != "partition"]
-        self._partitions = {f.step: f.peer if f.rank == rank else f.rank
-                            for f in faults if f.action == "partition" and rank in (f.rank, f.peer)}
+        self._partitions = [(f.step, f.peer if f.rank == rank else f.rank)
+                            for f in faults if f.action == "partition" and rank in (f.rank, f.peer)]
         self.filesystem = filesystem
         self.marker_dir = marker_dir
         self._preemption_notice = False
@@ -145,9 +146,10 @@ class FaultInjector:
     def fire(self, point: str, step: int) -> None:
         """Fire the fault planned at (point, step) unless it already fired in this run; at a point
         other than ``step``, also one planned at an earlier step (a save deferred past it)."""
-        if point == "step" and step in self._partitions:
-            logger.warning("Injecting fault partition-step-%d: cut off from rank %d", step, self._partitions[step])
-            self.unreachable.add(self._partitions[step])
+        for at, other in self._partitions:
+            if point == "step" and at == step:
+                logger.warning("Injecting fault partition-step-%d: cut off from rank %d", step, other)
+                self.unreachable.add(other)
         for fault in self.faults:
             due = fault.step == step if point == "step" else fault.step <= step
             if fault.point == point and due and fault.action == "pause":
