@@ -222,8 +222,9 @@ def test_a_torn_last_line_is_skipped(local_run):
 def test_stray_files_and_lines_in_the_ledger_are_skipped_naming_them(local_run, tmp_path, caplog, capsys, monkeypatch):
     """A messy run directory: files that are not a process's log, a log that is not text, lines
     that are not events (a time that is a string, a step without its step number, an unknown kind,
-    not an object, a time that is infinite or not a number). Each is skipped with a warning naming it; the breakdown is the hand-computed
-    one; a restore's live goodput and the CLI's report still answer."""
+    not an object, a time that is infinite or not a number). Each is skipped with a warning naming
+    it; the breakdown is the hand-computed one; a restore's live goodput and the CLI's report still
+    answer."""
     import os
     import time
     from pathlib import Path

@@ -456,7 +456,8 @@ def survivor_fn(config: dict[str, Any]) -> None:
                 time.sleep(rule["lead_alone"])  # the lead's work alone between two steps
 
     lead = train_replica(model, optimizer, data, record, max_steps=per_epoch * config["epochs"],
-                         step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait, flatten_images=True,
+                         step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait,
+                         flatten_images=True,
                          lr_scheduler=scheduler, micro_batches=config["micro_batches"], seed=seed,
                          checkpoint_interval=config.get("interval"), mtbf_s=config.get("mtbf_s"),
                          goodput_logger=config.get("goodput_logger"),

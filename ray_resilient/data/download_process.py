@@ -12,9 +12,9 @@ urllib3: not torch or Ray), runs ``threads`` downloads at a time, and runs at a 
 priority (:data:`NICENESS`) than the worker. They talk over a socket pair (a ``multiprocessing``
 connection each end): ``("fetch", ticket, path, size)`` and ``("cancel", ticket)`` one way, a
 :class:`Fetched` per ticket the other, and a :class:`Retrying` each time a failed read of a ticket
-is retried (the parent counts it as progress, for the hang watchdog). The child exits once its parent closes the socket or dies
-(it reads end of file), after finishing the downloads it started: a file is complete in the
-cache or not there (see :mod:`ray_resilient.data.cache`).
+is retried (the parent counts it as progress, for the hang watchdog). The child exits once its
+parent closes the socket or dies (it reads end of file), after finishing the downloads it
+started: a file is complete in the cache or not there (see :mod:`ray_resilient.data.cache`).
 """
 
 from __future__ import annotations

@@ -131,9 +131,9 @@ class Volume:
         """Stream the file at ``path`` (relative) into the local file ``dest``; returns its size.
 
         Transient storage errors are retried for ``retry_seconds`` with exponential backoff and
-        jitter (``on_retry`` called at each), then raise VolumeError naming the file; an error that retrying cannot fix (a
-        missing file, no permission, S3's 403 or 404) raises at once, and so does an error writing
-        ``dest`` (a full or read-only local disk is not a storage error).
+        jitter (``on_retry`` called at each), then raise VolumeError naming the file; an error that
+        retrying cannot fix (a missing file, no permission, S3's 403 or 404) raises at once, and so
+        does an error writing ``dest`` (a full or read-only local disk is not a storage error).
         """
         full = f"{self.root}/{path}"
         started, attempt = time.monotonic(), 1

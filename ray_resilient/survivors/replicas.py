@@ -293,9 +293,8 @@ class SurvivingReplicas:
                 self._store.set(lead_step_key(self._membership.epoch), str(self.step + 1))
             controls = self._gradients(loss_of)
             try:
-                cut_off = self._faults.unreachable & set(self._membership.members)
-                if cut_off:  # an injected partition: what gloo would find, at once
-                    raise RuntimeError(f"replica {self.replica} cannot reach replicas {sorted(cut_off)}")
+                if self._faults.unreachable:  # an injected partition: what gloo would find, at once
+                    self._raise_if_cut_off()
                 if not self.is_lead:
                     self._wait_for_the_lead()
                 reduced, controls = self._exchange.reduce(self._group, self._membership.rank(self.replica), controls,
@@ -466,6 +465,11 @@ class SurvivingReplicas:
         while not done.wait(LOST_POLL_S):
             self._raise_if_lost()
         work.wait()  # raises gloo's error, if the collective failed
+
+    def _raise_if_cut_off(self) -> None:
+        cut_off = self._faults.unreachable & set(self._membership.members)
+        if cut_off:
+            raise RuntimeError(f"replica {self.replica} cannot reach replicas {sorted(cut_off)}")
 
     def _wait_for_the_lead(self) -> None:
         """Wait until the lead has begun this step (it may have worked alone since the last one);

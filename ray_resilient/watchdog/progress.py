@@ -1,32 +1,32 @@
 """A rank's progress, reported to the run's hang watchdog from a thread of its own.
 
-The training thread only bumps a counter: :meth:`ProgressReporter.tick` inside a step (the
-forward and backward passes of the model's modules, from :mod:`.step_hooks`; each tensor a save
-stages; each file a restore verifies or fetches), :meth:`ProgressReporter.step` at a step's end,
+The training thread only bumps a counter: :meth:`ProgressReporter.tick` inside a step (the forward
+and backward passes of the model's modules, from :mod:`.step_hooks`; each tensor a save stages; each
+file a restore verifies or fetches), :meth:`ProgressReporter.step` at a step's end,
 :meth:`ProgressReporter.phase` and :meth:`ProgressReporter.saving` between steps (a
 ``Checkpointer``'s ``progress(phase)`` for work that is neither). Progress made elsewhere counts
-too: the reporter's ``sources`` (the samples a data loader's worker processes read, and the
-failed reads they retry, while the training thread waits for its batch) are polled at every beat. A daemon thread
-sends the count to the watchdog (:mod:`~ray_resilient.watchdog.monitor`) every :data:`HEARTBEAT_S`
-(the heartbeat that tells a live rank from a stopped one), with how long this rank may go without
-progress before it counts as hung: ``max(floor_s, gap_multiple x`` the p99 of its recent steps'
-longest stretch without progress``)`` (the steps after the first ``startup_steps``; the stretches of
-a phase reported in between, an evaluation or a save, are not a step's), or ``startup_allowance_s``
-while it restores, compiles (its first steps) or stages its first save; a later save's staging gets
-``gap_multiple`` times the previous one's, if that is more. A wait the library bounds by a setting
-of its own is allowed that bound (:meth:`ProgressReporter.allowing`: waiting for a save to become
-durable, ``save_timeout_s``), and so is a ``torch.compile`` compilation (``startup_allowance_s``),
-wherever it happens. A step of any length that keeps ticking is never a hang, and a rank hung
-inside a long step is found about as soon as in a short one. Asked for it, the thread sends the
-training thread's Python stack. :meth:`ProgressReporter.close` says goodbye: done, or failing (the
-watchdog then stops judging the attempt, which Ray restarts); a forked child (a DataLoader worker)
-closes its copy of the connection, so that a rank that dies is seen gone at once.
+too: the reporter's ``sources`` (the samples a data loader's worker processes read, and the failed
+reads they retry, while the training thread waits for its batch) are polled at every beat. A daemon
+thread sends the count to the watchdog (:mod:`~ray_resilient.watchdog.monitor`) every
+:data:`HEARTBEAT_S` (the heartbeat that tells a live rank from a stopped one), with how long this
+rank may go without progress before it counts as hung: ``max(floor_s, gap_multiple x`` the p99 of
+its recent steps' longest stretch without progress``)`` (the steps after the first
+``startup_steps``; the stretches of a phase reported in between, an evaluation or a save, are not a
+step's), or ``startup_allowance_s`` while it restores, compiles (its first steps) or stages its
+first save; a later save's staging gets ``gap_multiple`` times the previous one's, if that is more.
+A wait the library bounds by a setting of its own is allowed that bound
+(:meth:`ProgressReporter.allowing`: waiting for a save to become durable, ``save_timeout_s``), and
+so is a ``torch.compile`` compilation (``startup_allowance_s``), wherever it happens. A step of any
+length that keeps ticking is never a hang, and a rank hung inside a long step is found about as soon
+as in a short one. Asked for it, the thread sends the training thread's Python stack.
+:meth:`ProgressReporter.close` says goodbye: done, or failing (the watchdog then stops judging the
+attempt, which Ray restarts); a forked child (a DataLoader worker) closes its copy of the
+connection, so that a rank that dies is seen gone at once.
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -38,6 +38,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from ray_resilient.watchdog.silence import p99
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +125,11 @@ class ProgressReporter:
         self._longest_gap = 0.0
         self._phase = name
         steady = self._steady_allowance() if allowance_s is None else None
-        self._own_phase = steady is None
-        self._allowance = steady if steady is not None else (
-            self.config.startup_allowance_s if allowance_s is None else allowance_s)
+        if steady is None:  # its own allowance: the one given, or the startup allowance while warming up
+            self._own_phase = True
+            self._allowance = self.config.startup_allowance_s if allowance_s is None else allowance_s
+        else:
+            self._own_phase, self._allowance = False, steady
 
     def saving(self, name: str, previous_stall_s: float | None) -> None:
         """The training thread began staging a save (``name``); ``previous_stall_s``: how long the
@@ -175,9 +179,7 @@ class ProgressReporter:
     def _steady_allowance(self) -> float | None:
         if not self._step_gaps:  # still in the first startup_steps: step() keeps none of them
             return None
-        ordered = sorted(self._step_gaps)
-        p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-        return max(self.config.floor_s, self.config.gap_multiple * p99)
+        return max(self.config.floor_s, self.config.gap_multiple * p99(self._step_gaps))
 
     def _poll_sources(self) -> None:
         """A tick when the progress made outside the training thread changed since the last beat."""

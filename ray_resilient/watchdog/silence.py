@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 
 SILENCE_MULTIPLE = 4.0  # x the p99 of the heartbeat gaps heard, where that is more than the floor
 GAP_WINDOW = 2000  # recent heartbeat gaps (every process's) whose p99 counts
+
+
+def p99(values: Sequence[float]) -> float:
+    """The 99th percentile of ``values`` (at least one): the smallest value at or above 99% of them."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 class SilenceRule:
@@ -35,8 +42,4 @@ class SilenceRule:
     @property
     def threshold_s(self) -> float:
         """How long a process may send nothing before it counts as stopped."""
-        if not self._gaps:
-            return self.floor_s
-        ordered = sorted(self._gaps)
-        p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-        return max(self.floor_s, SILENCE_MULTIPLE * p99)
+        return max(self.floor_s, SILENCE_MULTIPLE * p99(self._gaps)) if self._gaps else self.floor_s
