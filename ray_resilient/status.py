@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 
 from ray_resilient.checkpoint.integrity import VERIFY_THREADS, verify_checksums
 from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints, parse_checkpoint_dir_name
-from ray_resilient.checkpoint.lease import LEASE_FILE
+from ray_resilient.checkpoint.lease import LEASE_DIR
 from ray_resilient.checkpoint.restore import read_header
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.goodput.accounting import Attempt, account, group_attempts
@@ -97,7 +97,7 @@ def _require_run_directory(fs: pafs.FileSystem, path: str, run_dir: str) -> None
         raise ValueError(f"{run_dir} is not a directory: pass <storage_path>/<run name> of a run")
     entries = fs.get_file_info(pafs.FileSelector(path))
     names = {info.base_name for info in entries}
-    if names & {LEDGER_DIR, LEASE_FILE} or any(parse_checkpoint_dir_name(name) for name in names):
+    if names & {LEDGER_DIR, LEASE_DIR} or any(parse_checkpoint_dir_name(name) for name in names):
         return
     if parse_checkpoint_dir_name(path.rstrip("/").rsplit("/", 1)[-1]):
         raise ValueError(f"{run_dir} is a checkpoint, not a run directory: pass its parent, "

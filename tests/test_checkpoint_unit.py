@@ -18,6 +18,7 @@ from ray_resilient.checkpoint.layout import (
 )
 from ray_resilient.checkpoint.staging import HostStager
 from ray_resilient.checkpoint.restore import find_complete_checkpoints, load_newest_loadable
+from ray_resilient.checkpoint.session import CheckpointSession
 from ray_resilient.checkpoint.state import TrainingComponents, TrainState, own_share
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import AsyncCheckpointWriter
@@ -127,6 +128,37 @@ def test_no_save_writes_into_a_complete_checkpoint(storage, tmp_path):
     writer.close()
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_two_writers_of_one_run_never_share_names_and_a_fenced_off_one_writes_nothing(tmp_path, remote, request):
+    """A restarted attempt's rank 0 opens the run while the old one still runs (not yet killed):
+    the new one saves under a new attempt number, and the old one's next save is refused before
+    any of its shards is written or uploaded."""
+    if remote:
+        server = request.getfixturevalue("s3_server")
+        storage = CheckpointStorage(server.filesystem(), f"{server.bucket}/{tmp_path.name}/run", str(tmp_path / "l"))
+    else:
+        storage = CheckpointStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
+    old, new = (CheckpointSession(storage, 0, no_faults(storage), run_id="run-a") for _ in range(2))
+    old_attempt = old.open(None).attempt
+    assert save(old.writer, make_components(0), 5, old_attempt).ok
+    new_attempt = new.open(None).attempt
+    assert new_attempt == old_attempt + 1
+    fenced = save(old.writer, make_components(1), 10, old_attempt)
+    assert not fenced.ok and "was taken over (lease generation 1)" in fenced.error
+    assert save(new.writer, make_components(2), 10, new_attempt).ok
+    assert [(c.step, c.attempt, c.complete) for c in list_checkpoints(storage.filesystem, storage.experiment_path)] \
+        == [(5, 0, True), (10, 1, True)]
+    old.close(RuntimeError("killed"))
+    new.close()
+
+
+def test_a_run_from_before_the_lease_generations_continues_its_attempt_numbers(storage, tmp_path):
+    (tmp_path / "run" / checkpoint_dir_name(5, 4)).mkdir(parents=True)
+    session = CheckpointSession(storage, 0, no_faults(storage), run_id="run-a")
+    assert session.open(None).attempt == 5
+    session.close()
+
+
 def test_corrupt_newest_checkpoint_falls_back_with_a_warning(storage, tmp_path, caplog):
     writer = AsyncCheckpointWriter(storage, 0, no_faults(storage))
     old = make_components(1)
@@ -137,8 +169,8 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(storage, tmp_path, 
     shard = next(p for p in newest.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated shard
 
-    plan = find_complete_checkpoints(storage, registered_path=None)
-    assert [c.step for c in plan.candidates] == [10, 5] and plan.next_attempt == 1
+    plan = find_complete_checkpoints(storage, registered_path=None, attempt=1)
+    assert [c.step for c in plan.candidates] == [10, 5]
     fresh = make_components(3)
     with caplog.at_level(logging.WARNING):
         loaded = load_newest_loadable(storage, plan.candidates, fresh, rank=0, world_size=1, group=None)
@@ -150,8 +182,8 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(storage, tmp_path, 
 
 def test_only_partial_checkpoints_load_nothing(storage, tmp_path):
     (tmp_path / "run" / checkpoint_dir_name(5, 0)).mkdir(parents=True)
-    plan = find_complete_checkpoints(storage, registered_path=None)
-    assert plan.candidates == [] and [c.step for c in plan.partial] == [5] and plan.next_attempt == 1
+    plan = find_complete_checkpoints(storage, registered_path=None, attempt=1)
+    assert plan.candidates == [] and [c.step for c in plan.partial] == [5]
     assert load_newest_loadable(storage, plan.candidates, make_components(0), 0, 1, None) is None
 
 
@@ -221,7 +253,7 @@ def test_cuda_state_stages_to_pinned_memory_and_round_trips(storage):
     torch.manual_seed(1)
     fresh = torch.nn.Linear(64, 64).cuda()
     restored = TrainingComponents(fresh, torch.optim.Adam(fresh.parameters()))
-    plan = find_complete_checkpoints(storage, None)
+    plan = find_complete_checkpoints(storage, None, attempt=1)
     assert load_newest_loadable(storage, plan.candidates, restored, 0, 1, None) is not None
     for key, value in expected.items():
         assert torch.equal(restored.model.state_dict()[key], value)
@@ -255,14 +287,14 @@ def test_the_save_interval_rides_in_the_checkpoint_and_a_checkpoint_from_before_
     del older["train_state"]["interval_steps"]  # what a checkpoint of the previous version holds
     writer.save(older, 5, checkpoint_dir_name(5, 0))
     writer.collect()
-    plan = find_complete_checkpoints(storage, registered_path=None)
+    plan = find_complete_checkpoints(storage, registered_path=None, attempt=1)
     loaded = load_newest_loadable(storage, plan.candidates, make_components(1), 0, 1, None)
     assert loaded is not None and loaded[1].step == 5 and loaded[1].interval_steps == 0
     assert save(writer, components, 9) is not None
     writer.save(components.state_to_save(TrainState(step=12, interval_steps=23), rank=0), 12,
                 checkpoint_dir_name(12, 0))
     writer.collect()
-    plan = find_complete_checkpoints(storage, registered_path=None)
+    plan = find_complete_checkpoints(storage, registered_path=None, attempt=1)
     loaded = load_newest_loadable(storage, plan.candidates, make_components(1), 0, 1, None)
     assert loaded is not None and (loaded[1].step, loaded[1].interval_steps) == (12, 23)
 

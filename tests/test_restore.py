@@ -86,7 +86,7 @@ def assert_untouched(job: TrainingComponents, before: dict) -> None:
 
 
 def restore(storage: CheckpointStorage, job: TrainingComponents):
-    plan = find_complete_checkpoints(storage, registered_path=None)
+    plan = find_complete_checkpoints(storage, registered_path=None, attempt=1)
     return load_newest_loadable(storage, plan.candidates, job, rank=0, world_size=1, group=None)
 
 

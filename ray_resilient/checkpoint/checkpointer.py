@@ -311,7 +311,7 @@ class Checkpointer:
             raise plan
         if ray.train.get_context().get_local_rank() == 0:  # only once this run holds the directory
             self.storage.clear_local_staging()
-        self._attempt = plan.next_attempt
+        self._attempt = plan.attempt
         for partial in plan.partial:
             logger.warning("Skipping partial checkpoint %s (no .metadata: its save never finished)", partial.path)
         loaded = load_newest_loadable(

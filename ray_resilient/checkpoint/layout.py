@@ -1,8 +1,9 @@
 """Where checkpoints live in a run's storage, and which of them are complete.
 
 A checkpoint is the directory ``<experiment>/checkpoint_<step>_<attempt>`` holding standard DCP
-files. ``attempt`` numbers the restores of the run, so a step recomputed after a failure is saved
-under a new name: an existing directory (which Ray may have registered) is never overwritten.
+files. ``attempt`` is the run lease's generation its writer holds (:mod:`~ray_resilient.checkpoint.lease`:
+a new one at every restore), so a step recomputed after a failure is saved under a new name and
+two writers never share one: an existing directory (which Ray may have registered) is never overwritten.
 DCP writes ``.metadata`` only after every rank's shard is durable (and for remote storage we
 upload it last), so its presence is the completeness marker: a directory without it is a
 save that was interrupted and must never be loaded.

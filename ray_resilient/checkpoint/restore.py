@@ -67,11 +67,11 @@ class RestorePlan:
 
     candidates: list[CheckpointDir]  # complete checkpoints, newest first
     partial: list[CheckpointDir]
-    next_attempt: int
+    attempt: int  # the attempt number of the saves that follow: the lease generation taken
 
 
-def find_complete_checkpoints(storage: CheckpointStorage, registered_path: str | None) -> RestorePlan:
-    """Every complete checkpoint of the run, newest first.
+def find_complete_checkpoints(storage: CheckpointStorage, registered_path: str | None, attempt: int) -> RestorePlan:
+    """Every complete checkpoint of the run, newest first, for the saves of ``attempt``.
 
     This includes the one Ray registered (``ray.train.get_checkpoint()``) and any newer one
     that became durable but was not registered before a crash: the listing of the run's
@@ -81,8 +81,7 @@ def find_complete_checkpoints(storage: CheckpointStorage, registered_path: str |
     complete = [c for c in reversed(found) if c.complete]
     if registered_path is not None and registered_path not in {c.path for c in found}:
         logger.warning("Ray's registered checkpoint %s is not a ray_resilient checkpoint; ignored", registered_path)
-    next_attempt = 1 + max((c.attempt for c in found), default=-1)
-    return RestorePlan(complete, [c for c in found if not c.complete], next_attempt)
+    return RestorePlan(complete, [c for c in found if not c.complete], attempt)
 
 
 def incompatibilities(metadata: Metadata, state: dict[str, Any]) -> list[str]:

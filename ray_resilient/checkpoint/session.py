@@ -1,8 +1,9 @@
 """One writer's checkpoint session on a run directory: what ``Checkpointer`` and survivor mode's
 lead share.
 
-- The run's lease (:mod:`~ray_resilient.checkpoint.lease`: one driver per run), taken when the
-  session opens and checked before every commit.
+- The run's lease (:mod:`~ray_resilient.checkpoint.lease`: one writer per run), its next
+  generation taken when the session opens (the attempt number of the saves that follow), checked
+  before and after every commit.
 - Opening: the complete checkpoints found (newest first), the partial ones older than the newest
   complete one deleted.
 - The asynchronous writer (:class:`~ray_resilient.checkpoint.writer.AsyncCheckpointWriter`).
@@ -26,7 +27,7 @@ from typing import Callable
 
 from ray_resilient._ray_internals import train_run_id
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
-from ray_resilient.checkpoint.layout import delete_partial_checkpoints
+from ray_resilient.checkpoint.layout import delete_partial_checkpoints, list_checkpoints
 from ray_resilient.checkpoint.lease import TTL_S, RunLease
 from ray_resilient.checkpoint.node_copy import drop_node_copies
 from ray_resilient.checkpoint.restore import RestorePlan, find_complete_checkpoints
@@ -62,18 +63,19 @@ class CheckpointSession:
         self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
         self.lease = RunLease(storage.filesystem, storage.experiment_path, run_id or train_run_id(), ttl_s=lease_ttl_s)
         self.writer = AsyncCheckpointWriter(storage, rank, faults, staging_buffers=staging_buffers,
-                                            write_threads=write_threads, before_commit=self.lease.verify,
+                                            write_threads=write_threads, commit=self.lease.commit,
                                             on_durable=on_durable)
         self.deferred = False  # a due save waits for a free set of staging buffers
         self.deferred_saves = 0  # due saves that waited (writes slower than the interval)
 
     def open(self, registered_path: str | None) -> RestorePlan:
-        """Take the run's lease (``RunLeaseHeldError`` when another driver's run holds it), find the
-        complete checkpoints (``registered_path``: Ray's, ``get_checkpoint()``) and delete the
-        partial ones older than the newest complete one. On one rank (rank 0, or the lead)."""
-        if not self.lease.held:
-            self.lease.acquire()
-        plan = find_complete_checkpoints(self.storage, registered_path)
+        """Take the run's lease's next generation, the attempt number of the saves from here on
+        (``RunLeaseHeldError`` when another driver's run holds it), find the complete checkpoints
+        (``registered_path``: Ray's, ``get_checkpoint()``) and delete the partial ones older than the
+        newest complete one. On one rank (rank 0, or the lead)."""
+        listed = list_checkpoints(self.storage.filesystem, self.storage.experiment_path)
+        attempt = self.lease.acquire(after=max((c.attempt for c in listed), default=-1))
+        plan = find_complete_checkpoints(self.storage, registered_path, attempt)
         delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
         return plan
 

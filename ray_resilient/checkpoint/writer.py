@@ -16,6 +16,7 @@ DDP on gloo), and a single thread keeps the collective order identical on every 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from collections import deque
@@ -30,13 +31,18 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from ray_resilient._torch_internals import written_file
 from ray_resilient.checkpoint.collectives import all_ranks_agree
 from ray_resilient.checkpoint.integrity import record_checksums
-from ray_resilient.checkpoint.layout import delete_partial_checkpoints, refuse_complete
+from ray_resilient.checkpoint.layout import (
+    METADATA_FILE, delete_partial_checkpoints, parse_checkpoint_dir_name, refuse_complete,
+)
+from ray_resilient.checkpoint.lease import check_fence
 from ray_resilient.checkpoint.node_copy import keep_saved
 from ray_resilient.checkpoint.staging import HostStager
 from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
+
+Commit = Callable[[Callable[[], None], Callable[[], None]], None]  # (write the marker, withdraw it)
 
 
 @dataclass(frozen=True)
@@ -65,21 +71,23 @@ class _Pending:
 
 class _ShardWriter(FileSystemWriter):
     """DCP's file writer that records its shards' checksums (:mod:`~ray_resilient.checkpoint.integrity`),
-    with the ``upload`` fault point between the shards and ``.metadata``, and ``before_commit``
-    called before the coordinator writes ``.metadata``."""
+    with the ``upload`` fault point between the shards and ``.metadata``, and the coordinator's
+    write of ``.metadata`` made through ``commit`` (when given)."""
 
     def __init__(self, path: str, rank: int, faults: FaultInjector, step: int, fire_upload_fault: bool,
-                 before_commit: Callable[[], None], **kwargs: Any):
+                 commit: Commit | None, **kwargs: Any):
         super().__init__(path, **kwargs)
         self._rank = rank
         self._faults = faults
         self._step = step
         self._fire_upload_fault = fire_upload_fault
-        self._before_commit = before_commit
+        self._commit = commit
 
     def finish(self, metadata, results):
-        self._before_commit()
-        return super().finish(metadata, results)
+        if self._commit is None:
+            return super().finish(metadata, results)
+        marker = os.path.join(str(self.path), METADATA_FILE)
+        self._commit(lambda: super(_ShardWriter, self).finish(metadata, results), lambda: os.remove(marker))
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
@@ -101,15 +109,16 @@ class AsyncCheckpointWriter:
             or written at once.
         write_threads: files each rank writes in parallel (DCP's ``thread_count``; 4 wrote 1.5x
             faster than 1 on a 2-core VM, ``benchmarks/gpu_checkpoint.py``).
-        before_commit: called on rank 0 before it commits a checkpoint (writes ``.metadata``);
-            what it raises fails the save (the run's lease check).
+        commit: how rank 0 commits a checkpoint: called with the write of ``.metadata`` and its
+            withdrawal (the run's lease, :meth:`~ray_resilient.checkpoint.lease.RunLease.commit`);
+            what it raises fails the save.
         on_durable: called with the step and the wall time on the writer's thread as soon as every
             rank made a save durable, before it is collected (a process killed before the next
             collection still recorded it).
     """
 
     def __init__(self, storage: CheckpointStorage, rank: int, faults: FaultInjector, *,
-                 staging_buffers: int = 2, write_threads: int = 4, before_commit: Callable[[], None] = lambda: None,
+                 staging_buffers: int = 2, write_threads: int = 4, commit: Commit = lambda write, withdraw: write(),
                  on_durable: Callable[[int, float], None] = lambda step, t: None):
         if staging_buffers < 1 or write_threads < 1:
             raise ValueError(f"staging_buffers and write_threads must be >= 1, got {staging_buffers}, {write_threads}")
@@ -117,7 +126,7 @@ class AsyncCheckpointWriter:
         self.rank = rank
         self.faults = faults
         self.write_threads = write_threads
-        self.before_commit = before_commit
+        self.commit = commit
         self.on_durable = on_durable
         distributed = dist.is_available() and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
@@ -252,7 +261,14 @@ class AsyncCheckpointWriter:
             logger.warning("Could not keep checkpoint %s's shards on this node (%s): a restore fetches them", name,
                            err)
 
+    def _check_fence(self, name: str) -> None:
+        """:class:`~ray_resilient.checkpoint.lease.RunLeaseLostError` when the lease generation that
+        names this checkpoint (its attempt number) is no longer the newest: a fenced-off writer."""
+        check_fence(self.storage.filesystem, self.storage.experiment_path, parse_checkpoint_dir_name(name)[1])
+
     def _write_shards(self, staged: dict[str, Any], step: int, name: str) -> None:
+        if not self.storage.is_remote:  # DCP writes the shards straight into the run directory
+            self._check_fence(name)
         refuse_complete(self.storage.filesystem, self.storage.checkpoint_path(name))
         writer = _ShardWriter(
             self.storage.write_dir(name, self.rank),
@@ -261,7 +277,7 @@ class AsyncCheckpointWriter:
             step,
             fire_upload_fault=not self.storage.is_remote,
             # A remote checkpoint is committed by the upload of .metadata, not by DCP's write of it.
-            before_commit=(lambda: None) if self.storage.is_remote else self.before_commit,
+            commit=None if self.storage.is_remote else self.commit,
             # Local staging for an upload needs no fsync; a final local checkpoint does.
             sync_files=not self.storage.is_remote,
             thread_count=self.write_threads,
@@ -269,9 +285,10 @@ class AsyncCheckpointWriter:
         dcp.save(staged, storage_writer=writer, process_group=self._group)
 
     def _upload_shards(self, step: int, name: str) -> None:
+        self._check_fence(name)
         self.storage.upload_shards(name, self.rank)
         self.faults.fire("upload", step)
 
     def _commit_remote(self, name: str) -> None:
-        self.before_commit()
-        self.storage.upload_metadata(name, 0)
+        marker = f"{self.storage.checkpoint_path(name)}/{METADATA_FILE}"
+        self.commit(lambda: self.storage.upload_metadata(name, 0), lambda: self.storage.filesystem.delete_file(marker))

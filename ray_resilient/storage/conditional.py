@@ -1,63 +1,72 @@
-"""A small file on S3 that is written only if it is still the version its writer read.
+"""Create a small file on S3 only if there is none: a PUT with ``If-None-Match: *``.
 
-S3 conditional writes (AWS since 2024, SeaweedFS, MinIO): a PUT with ``If-None-Match: *``
-creates the object only if there is none, one with ``If-Match: <ETag>`` replaces only that
-version; otherwise the store answers 412 and nothing is written. Two writers that read the same
-version cannot both replace it, however close in time they write: what the run lease
-(:mod:`ray_resilient.checkpoint.lease`) needs where storage offers it.
+S3 conditional writes (AWS since 2024, SeaweedFS, MinIO): the store creates the object only if
+no object has the key, otherwise it answers 412 and writes nothing, so of two writers creating
+one key however close in time, exactly one succeeds: what the run lease's generations
+(:mod:`ray_resilient.checkpoint.lease`) need where storage offers it. A store or gateway that
+does not implement the condition either ignores it (:meth:`ExclusiveCreate.enforced` finds out) or
+rejects the request with 400 or 501 (:class:`ConditionsRejected`); either way the caller falls back.
 """
 
 from __future__ import annotations
+
+import uuid
 
 import pyarrow.fs as pafs
 import urllib3
 
 from ray_resilient.storage.s3_requests import S3RequestError, S3Requests, s3_requests_for
 
-
-class ChangedSinceRead(Exception):
-    """The file is no longer the version the write expected (created, replaced or removed meanwhile)."""
+REJECTED_STATUS = frozenset({400, 501})  # a store that does not implement the condition refuses the PUT
 
 
-class ConditionalFile:
-    """The object ``bucket/key`` (``path``) read with its version (its ETag) and written conditionally."""
+class AlreadyExists(Exception):
+    """The file existed (or was created by another writer at the same moment): nothing was written."""
 
-    def __init__(self, requests: S3Requests, path: str):
-        self._requests, self.path = requests, path
 
-    def read(self) -> tuple[bytes, str] | None:
-        """Its content and version; None when there is none."""
-        response = self._send("GET")
-        if response.status == 404:
-            return None
-        self._check(response, "GET")
-        return response.data, response.headers["ETag"]
+class ConditionsRejected(S3RequestError):
+    """The store refused a conditional PUT (400 or 501): it does not implement ``If-None-Match``."""
 
-    def write(self, data: bytes, version: str | None) -> None:
-        """Write ``data`` if the file is still ``version`` (None: if there is none); else raise
-        :class:`ChangedSinceRead`."""
-        condition = {"If-None-Match": "*"} if version is None else {"If-Match": version}
-        response = self._send("PUT", headers=condition, body=data)
-        # 412: another version is there. 409: a write to the key raced this one (S3 answers either).
-        # 404: If-Match on a file removed meanwhile.
-        if response.status in (412, 409) or response.status == 404 and version is not None:
-            raise ChangedSinceRead(f"{self.path} changed since it was read (PUT answered {response.status})")
-        self._check(response, "PUT")
 
-    def _send(self, method: str, **request) -> urllib3.BaseHTTPResponse:
+class ExclusiveCreate:
+    """Creates S3 objects only where there are none, with one endpoint's signed requests."""
+
+    def __init__(self, requests: S3Requests):
+        self._requests = requests
+
+    def create(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``bucket/key`` (``path``) if no object has that key; else raise
+        :class:`AlreadyExists`. :class:`ConditionsRejected` when the store refuses the condition."""
         try:
-            return self._requests.send(method, self.path, **request)
+            response = self._requests.send("PUT", path, headers={"If-None-Match": "*"}, body=data)
         except urllib3.exceptions.HTTPError as err:  # not an OSError: callers handle storage errors as OSError
-            raise S3RequestError(f"{method} s3://{self.path} failed: {err}", 0) from err
-
-    def _check(self, response: urllib3.BaseHTTPResponse, method: str) -> None:
+            raise S3RequestError(f"PUT s3://{path} failed: {err}", 0) from err
+        # 412: an object is there. 409: a write to the key raced this one (S3 answers either).
+        if response.status in (412, 409):
+            raise AlreadyExists(f"{path} exists (PUT answered {response.status})")
         if response.status != 200:
             detail = response.data[:2000].decode(errors="replace")
-            raise S3RequestError(f"{method} s3://{self.path} answered {response.status}: {detail}", response.status)
+            error = ConditionsRejected if response.status in REJECTED_STATUS else S3RequestError
+            raise error(f"PUT s3://{path} with If-None-Match answered {response.status}: {detail}", response.status)
 
 
-def conditional_file(filesystem: pafs.FileSystem, path: str) -> ConditionalFile | None:
-    """``path`` on ``filesystem`` as a :class:`ConditionalFile`; None where it cannot be one (a
-    filesystem other than pyarrow's S3, see :func:`~ray_resilient.storage.s3_requests.s3_requests_for`)."""
+    def enforced(self, directory: str) -> bool:
+        """Whether the store enforces the condition (some ignore it): a probe object under
+        ``directory`` is created twice, then deleted. :class:`ConditionsRejected` when refused."""
+        probe = f"{directory}/.probe-{uuid.uuid4().hex}"
+        try:
+            self.create(probe, b"")
+            try:
+                self.create(probe, b"")
+            except AlreadyExists:
+                return True
+            return False
+        finally:
+            self._requests.send("DELETE", probe)
+
+
+def exclusive_create_for(filesystem: pafs.FileSystem) -> ExclusiveCreate | None:
+    """Exclusive creation on ``filesystem``; None where it cannot be offered (a filesystem other
+    than pyarrow's S3, see :func:`~ray_resilient.storage.s3_requests.s3_requests_for`)."""
     requests = s3_requests_for(filesystem)
-    return ConditionalFile(requests, path) if requests is not None else None
+    return ExclusiveCreate(requests) if requests is not None else None

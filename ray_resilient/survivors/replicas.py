@@ -520,7 +520,6 @@ class SurvivingReplicas:
         under a new attempt number: the recomputed steps' checkpoints never take a committed name."""
         started = time.time()
         plan = self._become_lead()  # the membership's source restores and leads
-        self._attempt = plan.next_attempt
         self._goodput.attempt_started(len(self._membership.members))
         loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
         self.step = loaded[1].step if loaded is not None else 0
@@ -540,6 +539,9 @@ class SurvivingReplicas:
         registered at the next chance."""
         registered = ray.train.get_checkpoint()
         plan = self._session.open(registered.path if registered is not None else None)
+        self._attempt = plan.attempt  # the lease's new generation: a lost lead's names are never reused
+        if plan.candidates and plan.candidates[0].step == self.step:  # a lost lead made this step durable
+            self._durable_step = self.step
         self._storage.clear_local_staging()
         self._unregistered.extend((c.step, c.path) for c in reversed(plan.candidates) if c.step > self._registered_step)
         self._goodput = GoodputRecorder(self._storage, 0, log_every=self._goodput_log_every,
