@@ -9,8 +9,10 @@ import multiprocessing
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -33,6 +35,7 @@ from ray_resilient.data import (
     VolumeDataLoader,
     VolumeError,
     VolumeImageDataset,
+    default_cache_dir,
     default_transform,
 )
 from ray_resilient.checkpoint.hooks import DataProgressSource
@@ -576,6 +579,45 @@ def test_restarted_job_reuses_the_cache(image_dir, tmp_path):
     again = make_loader(volume, tmp_path / "cache")
     list(again)
     assert again.metrics.cache.misses == 0 and again.metrics.cache.hits > 0
+
+
+def test_a_cached_file_changed_at_the_same_size_is_caught_by_the_next_process_and_downloaded_again(
+        tmp_path, caplog):
+    cache_dir = str(tmp_path / "cache")
+
+    def write(dest: str) -> int:
+        return Path(dest).write_bytes(b"a" * KIB)
+
+    cached = Path(FileCache(cache_dir).fetch("f.bin", KIB, write))
+    cached.write_bytes(b"b" * KIB)  # changed on the node's disk, same size
+    assert FileCache(cache_dir).lookup("f.bin", KIB) is None  # a cache opened anew (another process) hashes it
+    assert f"cached f.bin ({cached}) differs from its digest" in caplog.text
+    again = FileCache(cache_dir)
+    assert again.fetch("f.bin", KIB, write) == str(cached) and cached.read_bytes() == b"a" * KIB
+    assert (again.stats.hits, again.stats.misses) == (0, 1)
+    assert FileCache(cache_dir).lookup("f.bin", KIB) == str(cached)  # verified anew by the next process
+
+
+def test_a_restarted_loader_serves_the_volumes_bytes_not_a_cached_file_changed_since(image_dir, tmp_path):
+    volume = Volume(image_dir)
+    first = make_loader(volume, tmp_path / "cache")
+    expected = [batch.images for batch in first]
+    victim = Path(FileCache(str(tmp_path / "cache")).path(volume.files[0].path))
+    victim.write_bytes(bytes(victim.stat().st_size))  # zeroed: it no longer decodes
+    again = make_loader(volume, tmp_path / "cache")
+    assert all(torch.equal(a.images, b) for a, b in zip(again, expected, strict=True))
+    assert again.metrics.cache.misses >= 1
+    assert victim.read_bytes() == (Path(image_dir) / volume.files[0].path).read_bytes()  # downloaded again
+
+
+def test_the_default_cache_directory_is_private_to_the_user(image_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "ray-resilient").mkdir(mode=0o777)
+    (tmp_path / "ray-resilient").chmod(0o777)  # open to every local user, as a umask of 0 leaves it
+    cache_dir = Path(default_cache_dir(Volume(image_dir)))
+    assert cache_dir.parent.parent == tmp_path / "ray-resilient"
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in (cache_dir, cache_dir.parent, cache_dir.parent.parent)} == {
+        oct(0o700)}
 
 
 def test_a_file_evicted_from_the_window_by_another_process_is_downloaded_again(image_dir, tmp_path):

@@ -1,6 +1,7 @@
 """Restore from S3 (a real SeaweedFS) through the node's copy: each shard file fetched once per node and
-verified as it streams, a checkpoint this node saved read with no download, a corrupted shard caught,
-and a local disk that will not take the files costing only speed."""
+verified as it streams, a checkpoint this node saved read with no download, a corrupted shard caught (on
+S3, or in the node's copy), and a local disk that will not take the files, or fails at any write, costing
+only speed."""
 
 from __future__ import annotations
 
@@ -88,6 +89,27 @@ def test_a_local_copy_whose_checksum_differs_from_the_manifest_is_fetched_again(
         assert torch.equal(job.model.state_dict()[key], value), key
 
 
+def test_a_fetched_copy_changed_on_the_nodes_disk_is_caught_by_its_bytes_and_fetched_again(
+        s3_server, tmp_path, caplog):
+    write_checkpoints(s3_storage(s3_server, "rotten-copy", str(tmp_path / "saver")))
+    first = s3_storage(s3_server, "rotten-copy", str(tmp_path / "node"))
+    assert restore(first, components(99))[1].step == 10
+    kept = node_copy_dir(first.local_dir, checkpoint_dir_name(10, 0))
+    shard = max((n for n in os.listdir(kept) if n.endswith(".distcp")),
+                key=lambda n: os.path.getsize(os.path.join(kept, n)))
+    with open(os.path.join(kept, shard), "r+b") as out:  # its sidecar still matches the manifest
+        out.seek(os.path.getsize(os.path.join(kept, shard)) // 2 - 256)
+        out.write(bytes(512))
+    restarted = s3_storage(s3_server, "rotten-copy", first.local_dir)
+    job = components(99)
+    with caplog.at_level(logging.WARNING):
+        assert restore(restarted, job)[1].step == 10
+    assert restarted.fetched.files == [f"{checkpoint_dir_name(10, 0)}/{shard}"]
+    assert f"{shard} of checkpoint {checkpoint_dir_name(10, 0)}" in caplog.text and "fetching it again" in caplog.text
+    for key, value in components(10).model.state_dict().items():
+        assert torch.equal(job.model.state_dict()[key], value), key
+
+
 def test_a_corrupted_shard_on_s3_is_caught_as_it_streams_and_the_previous_checkpoint_loads(
         s3_server, tmp_path, caplog):
     saver = s3_storage(s3_server, "corrupted", str(tmp_path / "saver"))
@@ -122,6 +144,37 @@ def test_a_local_disk_that_will_not_take_the_files_costs_only_speed(s3_server, t
     assert full.fetched.files == [] and {f.split("/")[1] for f in full.fetched.streamed} == shards
     warning = node_copy_dir(full.local_dir, checkpoint_dir_name(10, 0))
     assert warning in caplog.text and "min_free_bytes" in caplog.text and "remote storage instead" in caplog.text
+    for key, value in components(10).model.state_dict().items():
+        assert torch.equal(job.model.state_dict()[key], value), key
+
+
+def under_a_file(tmp_path, _shards: set[str]) -> str:
+    """A local_dir whose directories cannot be created: its parent is a regular file."""
+    (tmp_path / "a-file").write_bytes(b"")
+    return str(tmp_path / "a-file" / "node")
+
+
+def digests_on_a_full_disk(tmp_path, shards: set[str]) -> str:
+    """A local_dir where each shard's digest is written to /dev/full (its close fails: no space)."""
+    copy = node_copy_dir(str(tmp_path / "node"), checkpoint_dir_name(10, 0))
+    os.makedirs(copy)
+    for shard in shards:
+        os.symlink("/dev/full", os.path.join(copy, f"{shard}{DIGEST_SUFFIX}.tmp"))
+    return str(tmp_path / "node")
+
+
+@pytest.mark.parametrize("full_disk", [under_a_file, digests_on_a_full_disk])
+def test_a_local_disk_failing_at_any_write_costs_only_speed(s3_server, tmp_path, caplog, full_disk):
+    run = f"failing-disk-{full_disk.__name__}"
+    saver = s3_storage(s3_server, run, str(tmp_path / "saver"))
+    write_checkpoints(saver)
+    shards = {n for n in remote_files(saver, checkpoint_dir_name(10, 0)) if n.endswith(".distcp")}
+    failing = s3_storage(s3_server, run, full_disk(tmp_path, shards))
+    job = components(99)
+    with caplog.at_level(logging.WARNING):
+        assert restore(failing, job)[1].step == 10
+    assert {f.split("/")[1] for f in failing.fetched.streamed} == shards
+    assert "remote storage instead" in caplog.text
     for key, value in components(10).model.state_dict().items():
         assert torch.equal(job.model.state_dict()[key], value), key
 

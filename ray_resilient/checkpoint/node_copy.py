@@ -11,14 +11,17 @@ so each file is fetched once per node whichever of its ranks need it.
 Local first: once a checkpoint is durable, the shards this node's ranks wrote for it are moved out
 of the upload staging into its copy, so a restart on the same node reads them with no download.
 Every file of a copy has its SHA-256 beside it (``<file>.sha256``, computed as its bytes were
-written); a file is used only when that and its size match the manifest.
+written); a kept file is used only when that and its size match the manifest and, hashed again when
+a restore takes it (cheap next to a fetch), its bytes do: a file changed on the node's disk is
+deleted, with a warning, and fetched again.
 
 Limits: a node keeps the copy of one checkpoint, the newest it saved or restored (its share: the
 shards its ranks wrote or read); the others are deleted when a checkpoint is kept, and that one
 when the run ends (it finishes, or fails in a way no restart can fix). A file whose
-fetch would leave less than ``min_free_bytes`` free on the local disk, or that the disk refuses
-(full, over quota, read-only), is not copied: a warning names the directory, and the file is
-verified and read straight from remote storage (streaming, slower) instead.
+fetch would leave less than ``min_free_bytes`` free on the local disk, or that the disk refuses at
+any write (its directories, the lock, the file, its digest: full, over quota, read-only), is not
+copied: a warning names the directory, and the file is verified and read straight from remote
+storage (streaming, slower) instead.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ray_resilient.checkpoint.integrity import (
-    check_digest, check_listed_size, checksums_file, read_manifest, verify_file,
+    ChecksumMismatchError, check_digest, check_listed_size, checksums_file, read_manifest, verify_file,
 )
 from ray_resilient.checkpoint.layout import parse_checkpoint_dir_name
 from ray_resilient.checkpoint.trust import regular_files
@@ -134,16 +137,37 @@ def _hashed(chunks: Iterator[bytes], digest: Any) -> Iterator[bytes]:
         yield chunk
 
 
+@contextlib.contextmanager
+def _local_disk() -> Iterator[None]:
+    """Any OSError of the local disk inside becomes a :class:`LocalWriteError`: the file is read from
+    remote storage instead."""
+    try:
+        yield
+    except LocalWriteError:
+        raise
+    except OSError as err:
+        raise LocalWriteError(str(err)) from err
+
+
 def _write_digest(path: str, digest: str) -> None:
     with open(f"{path}{DIGEST_SUFFIX}.tmp", "w") as out:
         out.write(digest)
     os.replace(f"{path}{DIGEST_SUFFIX}.tmp", f"{path}{DIGEST_SUFFIX}")
 
 
+def _remove_copy(path: str) -> None:
+    """Delete a file of a copy and its digest."""
+    for stale in (f"{path}{DIGEST_SUFFIX}", path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(stale)
+
+
 @contextlib.contextmanager
 def _locked(path: str) -> Iterator[None]:
     """An exclusive lock on ``path`` shared by every process of the node (and every thread)."""
-    with open(path, "a") as lock:
+    with _local_disk():
+        lock = open(path, "a")
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -192,11 +216,13 @@ class NodeCopy:
         check_listed_size(name, listed, expected)
         path = os.path.join(self.directory, name)
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            with _local_disk():
+                os.makedirs(self.directory, exist_ok=True)
             with _locked(os.path.join(self.directory, f".{name}.lock")):
-                if self._has_copy(path, expected):
+                if self._has_copy(name, path, expected):
                     return path
-                free = shutil.disk_usage(self.directory).free
+                with _local_disk():
+                    free = shutil.disk_usage(self.directory).free
                 if free - listed < self.min_free_bytes:
                     raise LocalWriteError(f"{free} bytes free, {listed} to fetch and min_free_bytes="
                                           f"{self.min_free_bytes} to leave")
@@ -204,21 +230,29 @@ class NodeCopy:
                 return path
         except LocalWriteError as err:
             return self._stream_instead(name, expected, listed, str(err))
-        except OSError as err:
-            if err.filename is not None and str(err.filename).startswith(self.directory):
-                return self._stream_instead(name, expected, listed, str(err))  # the lock or the directory
-            raise
 
-    def _has_copy(self, path: str, expected: dict) -> bool:
+    def _has_copy(self, name: str, path: str, expected: dict) -> bool:
+        """Whether the node keeps ``name`` at ``path`` as the manifest has it: its size and digest file,
+        then its bytes, hashed now (a file whose bytes differ is deleted)."""
         if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != expected["bytes"]:
             return False
         if expected["sha256"] is None:
             return True
-        try:
-            with open(f"{path}{DIGEST_SUFFIX}") as stream:
-                return stream.read() == expected["sha256"]
-        except FileNotFoundError:
-            return False
+        with _local_disk():
+            try:
+                with open(f"{path}{DIGEST_SUFFIX}") as stream:
+                    if stream.read() != expected["sha256"]:
+                        return False
+            except FileNotFoundError:
+                return False
+            try:
+                verify_file(pafs.LocalFileSystem(), self.directory, name, expected, expected["bytes"])
+            except ChecksumMismatchError as err:
+                logger.warning("The node's copy of %s of checkpoint %s (%s) differs from what was written (%s): "
+                               "deleting it and fetching it again.", name, self.name, self.directory, err)
+                _remove_copy(path)
+                return False
+        return True
 
     def _fetch(self, name: str, path: str, expected: dict, gets: ThreadPoolExecutor) -> None:
         """Fetch ``name`` into ``path``, hashed as it arrives; renamed into place only once it matches."""
@@ -228,10 +262,13 @@ class NodeCopy:
             with (self.fs.open_input_file(f"{self.remote_dir}/{name}") as source, open_local_copy(part) as out,
                   contextlib.closing(_ranged_reads(source, size, gets)) as chunks):  # closed first: no read left
                 copy_to_local(_hashed(chunks, digest), out)
+            with _local_disk():
+                size_written = os.path.getsize(part)
             if expected["sha256"] is not None:
-                check_digest(name, digest.hexdigest(), os.path.getsize(part), expected)
-            os.replace(part, path)
-            _write_digest(path, digest.hexdigest())
+                check_digest(name, digest.hexdigest(), size_written, expected)
+            with _local_disk():
+                os.replace(part, path)
+                _write_digest(path, digest.hexdigest())
         except BaseException:
             with contextlib.suppress(OSError):
                 os.remove(part)

@@ -14,7 +14,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -29,6 +28,7 @@ from ray_resilient.data.config import StreamingConfig
 from ray_resilient.data.plan import SamplePlan, derive_seed, fingerprint
 from ray_resilient.data.prefetch import Prefetcher
 from ray_resilient.data.volume import Volume, VolumeError
+from ray_resilient.storage.node_local import DATA_CACHE, node_local_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,13 @@ class WorkerBatch(NamedTuple):
 
 
 def default_cache_dir(volume: Volume) -> str:
-    """``$TMPDIR/ray-resilient/cache/<digest of the volume URI>``: one directory per volume.
+    """``$TMPDIR/ray-resilient/cache/<digest of the volume URI>``: one directory per volume, private
+    to the user (:func:`~ray_resilient.storage.node_local.node_local_dir`).
 
     Files are cached by their path relative to the volume root, so two volumes must never share
     a directory.
     """
-    digest = hashlib.sha256(volume.uri.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), "ray-resilient", "cache", digest)
+    return node_local_dir(DATA_CACHE, hashlib.sha256(volume.uri.encode()).hexdigest()[:16])
 
 
 def read_bytes(path: str) -> torch.Tensor:
