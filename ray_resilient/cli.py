@@ -278,17 +278,16 @@ def _add_goodput_report(commands: argparse._SubParsersAction) -> None:
 
 
 def _goodput_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ray_resilient.goodput.accounting import account
-    from ray_resilient.goodput.ledger import load_events
+    from ray_resilient.goodput.ledger import load_ledger
     from ray_resilient.goodput.report import draw_timeline, format_report
 
     run_name = os.path.basename(args.run_dir.rstrip("/"))
     png = args.png or (None if args.json else f"goodput-{run_name}.png")
     try:
-        events = load_events(args.run_dir)
-        breakdown = account(events, reference_step_seconds=args.reference_step_seconds)
+        ledger = load_ledger(args.run_dir)
+        breakdown = ledger.account(reference_step_seconds=args.reference_step_seconds)
         if png is not None:
-            draw_timeline(events, breakdown, png, title=run_name)
+            draw_timeline(ledger, breakdown, png, title=run_name)
     except ValueError as error:
         parser.error(str(error))
     except OSError as error:
@@ -299,7 +298,7 @@ def _goodput_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if png is not None:
             print(f"timeline: {png}", file=sys.stderr)
     else:
-        print(format_report(args.run_dir, breakdown, events))
+        print(format_report(args.run_dir, breakdown, ledger.hangs))
         print(f"\ntimeline: {png}")
     return 0
 

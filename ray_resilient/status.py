@@ -5,10 +5,13 @@ A checkpoint *verifies* when a restore would read it: its shards match their che
 ``.metadata`` and train state pass the restore's checks (:mod:`~ray_resilient.checkpoint.trust`).
 By default only what a restart would try is verified: the newest complete checkpoint, and older
 ones only while the newer do not verify (``verify="all"`` checks every one, in parallel).
+Sizes never follow a symlink (a link to ``/`` would never return), and a ``checkpoint_*`` entry that
+is a symlink is skipped, saying so.
 """
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
@@ -20,9 +23,8 @@ from ray_resilient.checkpoint.layout import CheckpointDir, list_checkpoints, par
 from ray_resilient.checkpoint.lease import LEASE_DIR
 from ray_resilient.checkpoint.restore import read_header
 from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.goodput.accounting import Attempt, account, group_attempts
-from ray_resilient.goodput.events import EventKind
-from ray_resilient.goodput.ledger import LEDGER_DIR, read_events
+from ray_resilient.goodput.accounting import AttemptSummary
+from ray_resilient.goodput.ledger import LEDGER_DIR, read_ledger
 
 Verify = Literal["none", "newest", "all"]
 
@@ -56,11 +58,25 @@ class RunStatus:
     goodput: float | None  # None: the run has no ledger yet
     restart_would_load: str | None  # the newest complete checkpoint that verifies (unverified: the newest)
     restart_would_refuse: bool  # complete checkpoints exist and none verifies: NoLoadableCheckpointError
+    skipped: list[str]  # checkpoint_* entries that are symlinks: neither sized, verified nor listed
+
+
+def _is_link(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether ``path`` is a symlink (on local disk: object stores have none)."""
+    return isinstance(fs, pafs.LocalFileSystem) and os.path.islink(path)
 
 
 def _size(fs: pafs.FileSystem, path: str) -> int:
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-    return sum(info.size or 0 for info in infos if info.type == pafs.FileType.File)
+    """The bytes of the files under directory ``path``, symlinks not followed (nor counted)."""
+    total = 0
+    for info in fs.get_file_info(pafs.FileSelector(path)):
+        if _is_link(fs, info.path):
+            continue
+        if info.type == pafs.FileType.File:
+            total += info.size or 0
+        elif info.type == pafs.FileType.Directory:
+            total += _size(fs, info.path)
+    return total
 
 
 def _verify(storage: CheckpointStorage, checkpoint: CheckpointDir) -> tuple[bool, str | None]:
@@ -108,17 +124,14 @@ def _require_run_directory(fs: pafs.FileSystem, path: str, run_dir: str) -> None
                         if runs else "") + ": pass <storage_path>/<run name> of a run")
 
 
-def _attempt(attempt: Attempt, failures: list[tuple[float, str]], next_start: float) -> AttemptStatus:
+def _attempt(attempt: AttemptSummary, failures: list[tuple[float, str]], next_start: float) -> AttemptStatus:
     """``failures``: (time, error) recorded by any rank; the attempt's are those before ``next_start``."""
-    start = next((e for e in attempt.events if e["kind"] == EventKind.ATTEMPT_START), None)
-    steps = [e["step"] for e in attempt.events if e["kind"] == EventKind.STEP]
     if attempt.finished:
         ended = "finished"
     else:
         error = next((message for t, message in failures if attempt.start <= t < next_start), None)
         ended = f"failed: {error}" if error else "running or killed (no end recorded)"
-    return AttemptStatus(attempt.start, start.get("world_size") if start else None, attempt.restored_step,
-                         max(steps, default=None), ended)
+    return AttemptStatus(attempt.start, attempt.world_size, attempt.restored_step, attempt.last_step, ended)
 
 
 def run_status(run_dir: str, verify: Verify = "newest") -> RunStatus:
@@ -127,9 +140,10 @@ def run_status(run_dir: str, verify: Verify = "newest") -> RunStatus:
     storage = CheckpointStorage.from_uri(run_dir)
     fs, path = storage.filesystem, storage.experiment_path
     _require_run_directory(fs, path, run_dir)
-    events = read_events(fs, path)
-    registered = {e["step"] for e in events if e["kind"] == EventKind.REGISTERED}
-    found = list_checkpoints(fs, path)
+    ledger = read_ledger(fs, path)
+    registered = {step for attempt in ledger.attempts for step in attempt.registered}
+    listed = list_checkpoints(fs, path)
+    found = [c for c in listed if not _is_link(fs, c.path)]
     verified = _verified(storage, found, verify)
     checkpoints = []
     for checkpoint in found:
@@ -138,18 +152,18 @@ def run_status(run_dir: str, verify: Verify = "newest") -> RunStatus:
         checkpoints.append(CheckpointStatus(checkpoint.step, checkpoint.attempt, checkpoint.path, checkpoint.complete,
                                             _size(fs, checkpoint.path), checkpoint.step in registered, verifies,
                                             problem))
-    attempts, _ = group_attempts(events)
-    failures = sorted((e["t"], e.get("error", "")) for e in events if e["kind"] == EventKind.FAILURE)
+    attempts = ledger.attempts
     next_starts = [a.start for a in attempts[1:]] + [float("inf")]
     complete = [c for c in checkpoints if c.complete]
     loadable = [c for c in complete if c.verifies is not False]  # unverified ones are taken as they are
     return RunStatus(
         run_dir=run_dir,
         checkpoints=checkpoints,
-        attempts=[_attempt(a, failures, next_start) for a, next_start in zip(attempts, next_starts)],
-        goodput=account(events).goodput if attempts else None,
+        attempts=[_attempt(a, ledger.failures, next_start) for a, next_start in zip(attempts, next_starts)],
+        goodput=ledger.account().goodput if attempts else None,
         restart_would_load=loadable[-1].path if loadable else None,
         restart_would_refuse=bool(complete) and not loadable,
+        skipped=[c.path for c in listed if _is_link(fs, c.path)],
     )
 
 
@@ -172,6 +186,7 @@ def format_status(status: RunStatus) -> str:
                      f"{'registered' if c.registered else 'not registered'}  {check}")
     if not status.checkpoints:
         lines.append("  none")
+    lines += [f"  skipped {path}: a symlink, not a checkpoint directory" for path in status.skipped]
     lines += ["", "Attempts"]
     for number, a in enumerate(status.attempts, 1):
         restored = "died before restoring" if a.restored_step is None else f"from step {a.restored_step}"

@@ -195,6 +195,51 @@ def test_an_upload_to_slow_storage_never_holds_up_record(tmp_path):
     assert kinds == ["attempt_start"] + ["step"] * 100  # nothing lost: the next upload took the rest
 
 
+def open_descriptor(directory: str) -> int:
+    """The descriptor this process holds open on a file in ``directory``."""
+    import os
+
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd")
+           if os.path.dirname(os.path.realpath(f"/proc/self/fd/{fd}")) == os.path.realpath(directory)]
+    assert len(fds) == 1, fds
+    return fds[0]
+
+
+def test_a_full_disk_under_the_spool_loses_events_counted_and_training_goes_on(tmp_path, caplog):
+    """Rank 0's spool on a full disk (its descriptor pointed at /dev/full: every write fails with
+    ENOSPC): steps and saves go on without an error, each lost event is counted, reported in the
+    goodput metrics and warned about at the 1st, 2nd, 4th... loss; once the disk works again, later
+    events reach the ledger (the lost ones do not)."""
+    import os
+    import time
+
+    from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
+
+    fs = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())  # remote: a local spool
+    spool = tmp_path / "spool"
+    recorder = GoodputRecorder(RunStorage(fs, "run", str(spool)), 0, metrics_logger=None)
+    recorder.attempt_started(1)
+    recorder.restored(time.time(), 0)
+    descriptor = open_descriptor(str(spool))
+    disk = os.dup(descriptor)
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, descriptor)
+    with caplog.at_level("WARNING", logger="ray_resilient.goodput.ledger"):
+        for step in range(1, 6):
+            recorder.step(step, float(step), step + 1.0, data_wait=0.0)
+        recorder.save(5, 6.0, 6.5)
+    assert recorder.metrics()["ledger_events_lost"] == 6
+    assert caplog.text.count("No space left on device") == 3  # losses 1, 2 and 4
+    os.dup2(disk, descriptor)
+    for fd in (disk, full):
+        os.close(fd)
+    recorder.step(6, 7.0, 8.0, data_wait=0.0)
+    recorder.close()
+    events = read_events(fs, "run")
+    assert sorted(e["kind"] for e in events) == ["attempt_start", "restore", "step"]
+    assert [e["step"] for e in events if e["kind"] == "step"] == [6]
+
+
 # Each attempt's start, to its first work, plus its restore: the job's first start and two restarts.
 STARTS = ((3 - 0) + 1, (13 - 8.5) + 1, (23 - 16.5) + 0.5)
 
@@ -419,3 +464,115 @@ def test_the_report_names_each_hang_and_a_step_declared_again():
         "  hang: rank 1 after step 9, no progress in 'after step 9', declared after 2.5 s; hang 2 at this step: "
         "the allowance there doubled each time",
         "  hang: rank 0 before its first step, silent: stopped, or its node lost, declared after 2.0 s"]
+
+
+def run_with_restores(storage: RunStorage) -> None:
+    """A run of 8 attempts through the recorder, each restoring as a restore does (its
+    ``follow_run`` stores the ended attempts' summaries), on a ledger of a driver, a rank 1 and the
+    hang watchdog besides. Each trains 120 steps of about 1 s (a 2nd and a 4th of data wait),
+    saving every 50 (durable 0.3 s later, registered), and fails. Attempt 4 falls back to step 150,
+    older than attempt 2's steps that its summary counted as kept (it was stored when attempt 3
+    restored 200): that summary is folded again."""
+    from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
+
+    def recorder(rank: int = 0):
+        return GoodputRecorder(storage, rank, metrics_logger=None)
+
+    driver = LedgerWriter(storage, -1)
+    driver.record("job_start", t=0.0)
+    driver.close()
+    t = 1.0
+    for attempt, restored in enumerate((0, 100, 200, 150, 250, 350, 450, 550)):
+        rank0 = recorder()
+        rank0.event("attempt_start", t=t, world_size=2)
+        rank0.event("restore", t=t + 2.0, t_start=t + 1.0, step=restored)
+        rank0.follow_run()
+        t += 2.0
+        for step in range(restored + 1, restored + 121):
+            seconds = 1.0 + (step % 7) / 10
+            rank0.step(step, t, t + seconds, data_wait=(0.5, 0.25, 0.0, 0.0)[step % 4])
+            t += seconds
+            if step % 50 == 0:
+                rank0.save(step, t, t + 0.2)
+                rank0.durable(step, t + 0.5)
+                rank0.registered(step)
+                t += 0.2
+        rank0.close()
+        rank1 = LedgerWriter(storage, 1)
+        rank1.record("failure", t=t + 0.5, error=f"RuntimeError: attempt {attempt} failed")
+        rank1.close()
+        if attempt == 5:
+            watchdog = LedgerWriter(storage, -2)
+            watchdog.record("hang", t=t + 3.0, t_start=t, hung_rank=1, host="h", phase="step", step=restored + 120)
+            watchdog.close()
+        t += 5.0
+    last = recorder()  # the open attempt: restored, no summary of its own
+    last.event("attempt_start", t=t, world_size=2)
+    last.event("restore", t=t + 1.0, t_start=t, step=650)
+    last.follow_run()
+    last.close()
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_a_restore_stores_summaries_and_readers_account_them_as_the_raw_events(tmp_path, caplog, remote):
+    """Each restore folds the ended attempts into summaries; a reader of the ledger then gives the
+    same breakdown, report and planner inputs as every raw event does (a summary that a later restore
+    invalidated is folded again), and reads no summarized attempt's events: they are replaced by
+    bytes that are not text, and nothing warns of them."""
+    from ray_resilient.goodput import read_ledger
+    from ray_resilient.goodput.report import format_report
+
+    root = tmp_path / "bucket"
+    fs = pafs.SubTreeFileSystem(str(root), pafs.LocalFileSystem()) if remote else pafs.LocalFileSystem()
+    run_dir = "run" if remote else str(root / "run")
+    with caplog.at_level("INFO", logger="ray_resilient.goodput.ledger"):
+        run_with_restores(RunStorage(fs, run_dir, str(tmp_path / "spool")))
+    assert "Reading the events of 1 summarized attempts again" in caplog.text  # attempt 2's, at attempt 4's restore
+
+    summaries = {i.base_name: i.path for i in fs.get_file_info(pafs.FileSelector(f"{run_dir}/goodput"))
+                 if i.base_name.endswith(".summary")}
+    assert len(summaries) == 8  # every attempt but the open one
+    ledger = read_ledger(fs, run_dir)
+    assert not ledger.folded[0].took_over and [a.process for a in ledger.folded] == [ledger.attempts[-1].process]
+    assert ledger.attempts[1].lost_after == 150  # attempt 2's summary as attempt 4 folded and stored it again
+    raw_events = read_events(fs, run_dir)
+    raw = account(raw_events)
+    hangs = [e for e in raw_events if e["kind"] == "hang"]
+    breakdown = ledger.account()
+    assert breakdown.summary() == raw.summary() and 0 < raw.wasted and 0 < raw.hang
+    assert list(breakdown.kept_step_seconds.values()) == list(raw.kept_step_seconds.values())
+    for measured in ("save_stalls", "durable_latencies", "starts"):
+        assert getattr(breakdown, measured) == getattr(raw, measured), measured
+    assert format_report(run_dir, breakdown, ledger.hangs) == format_report(run_dir, raw, hangs)
+
+    for info in fs.get_file_info(pafs.FileSelector(f"{run_dir}/goodput")):
+        if f"{info.base_name.split('.jsonl')[0]}.summary" in summaries:
+            with fs.open_output_stream(info.path) as out:
+                out.write(b"\xff\xfe not text")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ray_resilient.goodput.ledger"):
+        again = read_ledger(fs, run_dir)
+    assert not caplog.text
+    assert again.account().summary() == raw.summary() and again.failures == ledger.failures
+
+
+def test_a_long_attempts_timeline_is_kept_in_bins_finer_than_a_pixel_with_each_kinds_seconds(tmp_path):
+    """3,000 steps waiting a quarter of each for data (6,000 bars) are summarized as at most
+    TIMELINE_BINS bars a kind, each kind's seconds kept, and the report draws them."""
+    from ray_resilient.goodput import read_ledger
+    from ray_resilient.goodput.accounting import TIMELINE_BINS
+
+    fs, run_dir = pafs.LocalFileSystem(), str(tmp_path / "runs" / "long")
+    ledger = LedgerWriter(RunStorage(fs, run_dir, str(tmp_path / "spool")), 0)
+    ledger.record("attempt_start", t=0.0, world_size=1)
+    ledger.record("restore", t=1.0, t_start=0.5, step=0)
+    for step in range(1, 3001):
+        ledger.record("step", t=1.0 + step, t_start=float(step), step=step, data_wait=0.25)
+    ledger.close()
+    attempt, = read_ledger(fs, run_dir).attempts
+    assert all(len(spans) <= TIMELINE_BINS for spans in attempt.bars.values())
+    seconds = {kind: sum(s for _, s in spans) for kind, spans in attempt.bars.items()}
+    assert seconds == pytest.approx({"restore": 0.5, "data_wait": 750.0, "kept": 2250.0})
+    png = tmp_path / "timeline.png"
+    assert "  steps kept        3000" in render_report(run_dir, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -97,6 +97,44 @@ def test_status_of_a_run_on_s3(s3_server, tmp_path, capsys, monkeypatch):
     check_status(capsys, f"s3://{run_dir}", paths)
 
 
+def test_symlinks_are_neither_followed_when_sizing_nor_taken_for_checkpoints(tmp_path, capsys):
+    """A partial checkpoint holding a link to a directory of 1 MiB is sized without it; a
+    ``checkpoint_*`` entry that links to ``/`` is skipped, saying so, and the command returns."""
+    run_dir = tmp_path / "runs" / "r"
+    write_run(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "data.bin").write_bytes(b"x" * (1 << 20))
+    partial = run_dir / checkpoint_dir_name(15, 1)
+    (partial / "__0_0.distcp").write_bytes(b"y" * 100)
+    (partial / "linked").symlink_to(source, target_is_directory=True)
+    (run_dir / checkpoint_dir_name(20, 1)).symlink_to("/", target_is_directory=True)
+    assert main(["status", str(run_dir), "--json", "--verify", "none"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert [(c["step"], c["bytes"]) for c in status["checkpoints"]][-1] == (15, 100)
+    assert status["skipped"] == [str(run_dir / checkpoint_dir_name(20, 1))]
+    assert main(["status", str(run_dir), "--verify", "none"]) == 0
+    assert f"skipped {run_dir / checkpoint_dir_name(20, 1)}: a symlink" in capsys.readouterr().out
+
+
+def test_status_reads_the_summaries_a_restore_stored_and_says_the_same(tmp_path):
+    """Once a restore stored the ended attempts' summaries, ``status`` reads them instead of their
+    events (replaced here by bytes that are not text) and says what it said from the events."""
+    from ray_resilient.goodput import read_ledger, store_summaries
+    from ray_resilient.status import run_status
+
+    run_dir = tmp_path / "runs" / "r"
+    write_run(pafs.LocalFileSystem(), str(run_dir), str(tmp_path / "local"))
+    from_events = run_status(str(run_dir), verify="none")
+    store_summaries(pafs.LocalFileSystem(), str(run_dir), read_ledger(pafs.LocalFileSystem(), str(run_dir)).folded)
+    summarized = {path.name.removesuffix(".summary") for path in (run_dir / "goodput").glob("*.summary")}
+    assert len(summarized) == 2
+    for log in (run_dir / "goodput").glob("*.jsonl"):
+        if log.name.removesuffix(".jsonl") in summarized:
+            log.write_bytes(b"\xff\xfe not text")
+    assert run_status(str(run_dir), verify="none") == from_events
+
+
 def status_error(capsys, *args: str) -> str:
     """The one-line usage error of ``ray-resilient status ARGS`` (exit status 2, no traceback)."""
     with pytest.raises(SystemExit) as exit_info:

@@ -3,9 +3,10 @@ goodput it logs to MLflow.
 
 Rank 0 records the attempt, its restore, every step and save; other ranks only their failures.
 On rank 0 the breakdown is kept up to date as the loop runs: at the restore (or when survivor
-mode's new lead takes over) the run's events so far are read and accounted once (the restored
-step says which of their steps were lost), and each step and save adds to that, so live figures
-cost O(1) per step.
+mode's new lead takes over) the run's ledger so far is read and accounted once (the restored
+step says which of its steps were lost), and each step and save adds to that, so live figures
+cost O(1) per step. That read stores the summary of each ended attempt it had to fold from its
+events, so that the next ones read summaries (:mod:`~ray_resilient.goodput.ledger`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import logging
 import time
 from collections import deque
 
-from ray_resilient.goodput.accounting import PARTS, Breakdown, account
+from ray_resilient.goodput.accounting import PARTS, Breakdown
 from ray_resilient.goodput.events import EventKind
-from ray_resilient.goodput.ledger import LedgerWriter, read_events
+from ray_resilient.goodput.ledger import Ledger, LedgerWriter, read_ledger, store_summaries
 from ray_resilient.storage.run import RunStorage
 from ray_resilient.tracking import BackgroundMetrics, MetricsLogger, resolve_metrics_logger
 
@@ -64,18 +65,30 @@ class GoodputRecorder:
         self.follow_run()
 
     def follow_run(self) -> None:
-        """Account the run's events so far (this recorder's own included), then keep the figures
-        live; a ledger that cannot be read leaves this attempt without live figures, nothing more."""
+        """Account the run's ledger so far (this recorder's own events included), then keep the
+        figures live; a ledger that cannot be read leaves this attempt without live figures, nothing
+        more. Stores the summaries of the ended attempts it folded from their events."""
         self._writer.flush()
         try:
-            events = read_events(self._storage.filesystem, self._storage.experiment_path)
+            ledger = read_ledger(self._storage.filesystem, self._storage.experiment_path)
             now = time.time()
-            self._live = account(events, now=now)
+            self._live = ledger.account(now=now)
         except Exception:  # noqa: BLE001 - the ledger is a record; the run does not depend on it
             logger.warning("The goodput ledger of %s cannot be read: no live goodput for this attempt",
                            self._storage.experiment_path, exc_info=True)
             return
         self._start = now - self._live.total
+        self._store_summaries(ledger)
+
+    def _store_summaries(self, ledger: Ledger) -> None:
+        """Store the summaries of the attempts ``ledger`` folded from their events, but this one's
+        (open): every other has ended when an attempt restores or a lead takes over."""
+        ended = [a for a in ledger.folded if a.process != self._writer.process]
+        try:
+            store_summaries(self._storage.filesystem, self._storage.experiment_path, ended)
+        except Exception:  # noqa: BLE001 - the next restore folds their events again
+            logger.warning("Could not store the goodput ledger's summaries of %d ended attempts", len(ended),
+                           exc_info=True)
 
     def step(self, step: int, t_start: float, t_end: float, data_wait: float) -> None:
         if self.rank != 0:
@@ -133,11 +146,12 @@ class GoodputRecorder:
         return live
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative goodput, each part's share and the rolling goodput (empty before the restore)."""
+        """Cumulative goodput, each part's share, the rolling goodput and the ledger's events lost to
+        spool errors (empty before the restore)."""
         live = self.breakdown()
         if live is None:
             return {}
-        metrics = live.as_metrics()
+        metrics = live.as_metrics() | {"ledger_events_lost": self._writer.spool_errors}
         if len(self._window) > 1:
             span = self._window[-1][1] - self._window[0][0]
             metrics["goodput_rolling"] = sum(p for _, _, p in self._window) / span if span > 0 else 0.0
@@ -150,3 +164,6 @@ class GoodputRecorder:
         if isinstance(self._metrics_logger, BackgroundMetrics):
             self._metrics_logger.flush(FINAL_METRICS_WAIT_S)
         self._writer.close()
+        if self._writer.spool_errors:
+            logger.warning("%d events of this process were lost from the goodput ledger (its spool could not be "
+                           "written): the run's goodput misses them", self._writer.spool_errors)

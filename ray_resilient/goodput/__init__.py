@@ -2,8 +2,11 @@
 
 The names in ``__all__`` are the public API; the modules behind them are internal and may change.
 A run's ledger is written by :class:`LedgerWriter` (the ``Checkpointer`` keeps one; a loop of
-your own can too), read by :func:`load_events`, split into attempts by :func:`group_attempts`
-and accounted by :func:`account` into a :class:`Breakdown` of the parts in ``PARTS``.
+your own can too) and read by :func:`load_ledger`: a :class:`Ledger` of each attempt's
+:class:`AttemptSummary`, accounted by its ``account()`` into a :class:`Breakdown` of the parts in
+``PARTS``; a restore stores the summaries of the attempts that ended (:func:`store_summaries`),
+so that readers skip their events. Every raw event is read by :func:`load_events`, split into
+attempts by :func:`group_attempts` and accounted the same by :func:`account`.
 """
 
 from typing import TYPE_CHECKING
@@ -11,9 +14,11 @@ from typing import TYPE_CHECKING
 from ray_resilient._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
-    from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts
+    from ray_resilient.goodput.accounting import PARTS, Attempt, AttemptSummary, Breakdown, account, group_attempts
     from ray_resilient.goodput.events import EventKind
-    from ray_resilient.goodput.ledger import LedgerWriter, load_events, read_events
+    from ray_resilient.goodput.ledger import (
+        Ledger, LedgerWriter, load_events, load_ledger, read_events, read_ledger, store_summaries,
+    )
     from ray_resilient.goodput.planner import (
         MeasuredInputs, Plan, daly_interval, expected_goodput, interval_steps_for, make_plan, measured_inputs,
         parse_duration, plan_from_measured, young_interval,
@@ -23,13 +28,18 @@ if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each nam
 _EXPORTS = {
     "PARTS": "accounting",
     "Attempt": "accounting",
+    "AttemptSummary": "accounting",
     "Breakdown": "accounting",
     "account": "accounting",
     "group_attempts": "accounting",
     "EventKind": "events",
+    "Ledger": "ledger",
     "LedgerWriter": "ledger",
     "load_events": "ledger",
+    "load_ledger": "ledger",
     "read_events": "ledger",
+    "read_ledger": "ledger",
+    "store_summaries": "ledger",
     "MeasuredInputs": "planner",
     "Plan": "planner",
     "daly_interval": "planner",

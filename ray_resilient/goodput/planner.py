@@ -44,8 +44,9 @@ import re
 from dataclasses import dataclass
 from statistics import mean, median
 
-from ray_resilient.goodput.accounting import account
-from ray_resilient.goodput.ledger import load_events
+import numpy as np
+
+from ray_resilient.goodput.ledger import load_ledger
 
 SECONDS_PER_DAY = 86400.0
 SECONDS_PER_YEAR = 365 * SECONDS_PER_DAY
@@ -316,10 +317,10 @@ def measured_inputs(run_dir: str) -> MeasuredInputs:
     new workers, the model built) counts as one too, so a run that never failed still says what
     a restart costs. The mean, not the median: the model charges the expected cost per failure.
     """
-    breakdown = account(load_events(run_dir))
+    breakdown = load_ledger(run_dir).account()
     return MeasuredInputs(
         save_stall_s=median(breakdown.save_stalls) if breakdown.save_stalls else None,
         restart_s=mean(breakdown.starts) if breakdown.starts else None,
-        step_s=median(breakdown.kept_step_seconds) if breakdown.kept_step_seconds else None,
+        step_s=float(np.median(breakdown.kept_step_seconds.values())) if breakdown.kept_step_seconds else None,
         durable_latency_s=median(breakdown.durable_latencies) if breakdown.durable_latencies else None,
     )

@@ -6,9 +6,9 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from ray_resilient.goodput.accounting import PARTS, Attempt, Breakdown, account, group_attempts, lost_after
+from ray_resilient.goodput.accounting import PARTS, AttemptSummary, Breakdown
 from ray_resilient.goodput.events import EventKind
-from ray_resilient.goodput.ledger import load_events
+from ray_resilient.goodput.ledger import Ledger, load_ledger
 from ray_resilient.goodput.planner import SECONDS_PER_DAY, Plan
 
 NOTES = (
@@ -33,16 +33,16 @@ BARS = (
 def render_report(run_dir: str, png_path: str | None, reference_step_seconds: float | None = None) -> str:
     """The text report of the run at ``run_dir`` (slow steps against ``reference_step_seconds``, default
     the run's own); draws its timeline to ``png_path`` if given."""
-    events = load_events(run_dir)
-    breakdown = account(events, reference_step_seconds=reference_step_seconds)
+    ledger = load_ledger(run_dir)
+    breakdown = ledger.account(reference_step_seconds=reference_step_seconds)
     if png_path is not None:
-        draw_timeline(events, breakdown, png_path, title=run_dir.rstrip("/").rsplit("/", 1)[-1])
-    return format_report(run_dir, breakdown, events)
+        draw_timeline(ledger, breakdown, png_path, title=run_dir.rstrip("/").rsplit("/", 1)[-1])
+    return format_report(run_dir, breakdown, ledger.hangs)
 
 
-def format_report(run_dir: str, breakdown: Breakdown, events: Sequence[dict[str, Any]] = ()) -> str:
+def format_report(run_dir: str, breakdown: Breakdown, hangs: Sequence[dict[str, Any]] = ()) -> str:
     """The counts, the goodput, a table of each part's seconds and share of the total, and each
-    hang the watchdog declared among ``events``."""
+    hang the watchdog declared (``hangs``: its events)."""
     lines = [f"goodput report of {run_dir}"]
     counts = [("attempts", str(breakdown.attempts)), ("failures", str(breakdown.failures)),
               ("steps kept", str(breakdown.steps_kept)), ("steps recomputed", str(breakdown.steps_recomputed)),
@@ -58,9 +58,9 @@ def format_report(run_dir: str, breakdown: Breakdown, events: Sequence[dict[str,
     lines.append("")
     for name, seconds, share in table:
         lines.append(f"  {name.ljust(widths[0])}  {seconds.rjust(widths[1])}  {share.rjust(widths[2])}")
-    hangs = hang_lines(events)
-    if hangs:
-        lines += ["", *hangs]
+    declared = hang_lines(hangs)
+    if declared:
+        lines += ["", *declared]
     lines += ["", *(f"  {note}" for note in NOTES)]
     return "\n".join(lines)
 
@@ -84,43 +84,26 @@ def hang_lines(events: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: str, title: str) -> None:
+def draw_timeline(ledger: Ledger, breakdown: Breakdown, png_path: str, title: str) -> None:
     """A PNG of the run: one lane per attempt, its bars, checkpoints and failures over time."""
-    attempts, job_starts = group_attempts(events)
+    attempts, job_starts = ledger.attempts, ledger.job_starts
     start = min([a.start for a in attempts[:1]] + job_starts)
     bars: list[dict[str, list[tuple[float, float]]]] = [defaultdict(list) for _ in attempts]
     marks: dict[str, list[tuple[float, int]]] = defaultdict(list)  # kind -> (seconds, lane)
     boundary = start
     for lane, attempt in enumerate(attempts):
-        lost = lost_after(attempts, lane)
-        bars[lane]["init"].append((boundary - start, max(0.0, attempt.first_work() - boundary)))
-        for event in attempt.events:
-            t0, duration = event.get("t_start", event["t"]) - start, event["t"] - event.get("t_start", event["t"])
-            if event["kind"] == EventKind.STEP:
-                if lost is not None and event["step"] > lost:
-                    bars[lane]["wasted"].append((t0, duration))
-                else:
-                    wait = min(event.get("data_wait", 0.0), duration)
-                    if wait > 0:
-                        bars[lane]["data_wait"].append((t0, wait))
-                    bars[lane]["kept"].append((t0 + wait, duration - wait))
-            elif event["kind"] in (EventKind.RESTORE, EventKind.SAVE):
-                bars[lane][event["kind"]].append((t0, duration))
-            elif event["kind"] == EventKind.STEP_DISCARDED:
-                bars[lane]["wasted"].append((t0, duration))
-            elif event["kind"] == EventKind.PEER_RECOVERY:
-                bars[lane]["restore"].append((t0, duration))
-            elif event["kind"] == EventKind.MEMBERSHIP:
-                marks["membership"].append((t0, lane))
-            elif event["kind"] in (EventKind.DURABLE, EventKind.REGISTERED):
-                marks[event["kind"]].append((t0, lane))
+        bars[lane]["init"].append((boundary - start, max(0.0, attempt.first_work - boundary)))
+        for category, spans in attempt.bars.items():
+            bars[lane][category] += [(t0 - start, seconds) for t0, seconds in spans]
+        for kind, times in attempt.marks.items():
+            marks[kind] += [(t - start, lane) for t in times]
         if lane + 1 < len(attempts) and not attempt.finished:
             marks["failure"].append((attempt.end - start, lane))
         boundary = attempt.end
-    for event in events:  # any rank's: placed in the lane of the attempt running at the time
-        if event["kind"] == EventKind.FAILURE and attempts:
-            lane = max([i for i, a in enumerate(attempts) if a.start <= event["t"]], default=0)
-            marks["failure"].append((event["t"] - start, lane))
+    for t, _ in ledger.failures:  # any rank's: placed in the lane of the attempt running at the time
+        if attempts:
+            lane = max([i for i, a in enumerate(attempts) if a.start <= t], default=0)
+            marks["failure"].append((t - start, lane))
 
     from matplotlib.figure import Figure  # the timeline's dependency alone
     from matplotlib.lines import Line2D
@@ -161,10 +144,9 @@ def draw_timeline(events: list[dict[str, Any]], breakdown: Breakdown, png_path: 
     figure.savefig(png_path)
 
 
-def _lane_label(index: int, attempt: Attempt) -> str:
-    world_size = next((e.get("world_size", "?") for e in attempt.events if e["kind"] == EventKind.ATTEMPT_START), "?")
+def _lane_label(index: int, attempt: AttemptSummary) -> str:
+    world_size = "?" if attempt.world_size is None else attempt.world_size
     if attempt.took_over:
-        world_size = next((e["world_size"] for e in attempt.events if e["kind"] == EventKind.MEMBERSHIP), "?")
         return f"attempt {index + 1}\nlead taken over, {world_size} replicas"
     start = "died before restoring" if attempt.restored_step is None else f"from step {attempt.restored_step}"
     return f"attempt {index + 1}\nworld size {world_size}, {start}"
