@@ -92,7 +92,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ray_resilient import Checkpointer
 from ray_resilient.storage import RunStorage
-from ray_resilient.testing import start_local_ray
+from ray_resilient.testing.kit import start_local_ray
 
 LAYERS = 8
 BATCH = 8

@@ -1,14 +1,14 @@
 """Goodput under chaos: ray_resilient, its survivor mode and the naive checkpointing baseline, same job, same kills.
 
 Setup
-    One local multi-node Ray cluster (``ray_resilient.testing.chaos_cluster``: a head node with 0
+    One local multi-node Ray cluster (``ray_resilient.testing.kit.chaos_cluster``: a head node with 0
     CPUs plus one worker node with ``--node-cpus`` CPUs, default 2) runs three ``fit()`` calls, one
-    after the other, each from its own driver process (``ray_resilient.testing.fit_on``) through
+    after the other, each from its own driver process (``ray_resilient.testing.kit.fit_on``) through
     :func:`ray_resilient.recommended_ray_config` (``--workers`` CPU workers on gloo, health check
     every 0.5 s, ``max_failures`` = the kills scheduled) and ``ResilientRayConfig.fit`` (which
     records the driver's ``job_start`` in the run's goodput ledger). Storage is local disk.
 
-    The job (``ray_resilient.testing.ChaosJob``), the same in every run: ``--steps`` steps (4
+    The job (``ray_resilient.testing.kit.ChaosJob``), the same in every run: ``--steps`` steps (4
     epochs of 50 global batches) of the main job's model, torchvision's ResNet-18 (11.2M
     parameters, BatchNorm; fp32) with Adam, so parameters plus Adam's two moments take 128 MiB,
     on the main job's data: the volume dataset (``VolumeImageDataset`` through a
@@ -102,21 +102,20 @@ from pathlib import Path
 from typing import Any
 
 from ray_resilient.goodput import EventKind
-from ray_resilient.testing import (
+from ray_resilient.testing import CLASSES, make_image_volume
+from ray_resilient.testing.kit import (
     ChaosJob,
     Fit,
     RecordKind,
     Worker,
     chaos_cluster,
     experiment_dir,
-    CLASSES,
     finite_median,
     fit_on,
     foreign_cpu,
     job_model,
     kept_samples,
     kill_moments,
-    make_image_volume,
     planned_samples,
     sample_errors,
     survivor_pauses,

@@ -50,7 +50,7 @@ from ray.train.torch import TorchTrainer, get_device
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ray_resilient import Checkpointer, recommended_ray_config
-from ray_resilient.testing import start_local_ray
+from ray_resilient.testing.kit import start_local_ray
 
 LAYERS = 8
 BATCH = 8

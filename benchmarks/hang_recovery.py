@@ -66,7 +66,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from ray_resilient.goodput import read_events
-from ray_resilient.testing import experiment_dir
+from ray_resilient.testing.kit import experiment_dir
 
 JOB = Path(__file__).resolve().parent.parent / "jobs" / "train_images.py"
 CLASSES = 4

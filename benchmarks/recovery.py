@@ -1,16 +1,16 @@
 """Recovery from a worker kill: time from the kill to the first step completed after the restore.
 
 Setup
-    A local multi-node Ray cluster (``ray_resilient.testing.chaos_cluster``): a head node with 0
+    A local multi-node Ray cluster (``ray_resilient.testing.kit.chaos_cluster``): a head node with 0
     CPUs (no worker lands on it) plus one worker node with ``--node-cpus`` CPUs (default 2). A
     driver process runs one ``TorchTrainer`` through the configuration
     :func:`ray_resilient.recommended_ray_config` recommends (``--workers`` CPU workers on gloo,
     ``max_failures`` = the number of kills, the Ray Train environment it exports: health check
     every 0.5 s, worker-group start timeout 10 s), with ``ResilientRayConfig.fit``
-    (``ray_resilient.testing.fit_on``).
+    (``ray_resilient.testing.kit.fit_on``).
 
     The train function is the experiment kit's whole-group restart loop
-    (``ray_resilient.testing.train_restarting``): a small MLP (32 -> 512 -> 512 -> 512 -> 4, fp32,
+    (``ray_resilient.testing.kit.train_restarting``): a small MLP (32 -> 512 -> 512 -> 512 -> 4, fp32,
     SGD with momentum: 2.2 MB of parameters, 4.4 MB of state), wrapped in DDP by
     ``prepare_model``, on ``SyntheticBatches`` (resumable in-memory data). A step is
     ``--step-seconds`` of ``time.sleep`` emulating accelerator compute, then one real
@@ -32,7 +32,7 @@ Timing
     controller's decision to restart is the ``[FailurePolicy] RETRY`` record of Ray Train's
     controller log. A point of the restarted attempt counts when the last rank has passed it (the
     ranks wait for each other at the next collective anyway). Columns of the table, one row per
-    kill (``ray_resilient.testing.recovery_phases``; all in seconds, they add up to ``recovery``):
+    kill (``ray_resilient.testing.kit.recovery_phases``; all in seconds, they add up to ``recovery``):
 
     detect       kill -> the controller's RETRY decision. The controller polls the workers every
                  ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`` (0.5 s) and sees the dead actor.
@@ -82,7 +82,7 @@ import math
 from typing import Any
 
 from ray_resilient import random_kill_plan
-from ray_resilient.testing import (
+from ray_resilient.testing.kit import (
     PHASES,
     RESTART_DETAIL,
     SETUP_MARKS,

@@ -51,7 +51,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from ray_resilient import Checkpointer
 from ray_resilient.checkpoint import CheckpointStorage, list_checkpoints
-from ray_resilient.testing import S3Server, seaweedfs, start_local_ray
+from ray_resilient.testing import S3Server, seaweedfs
+from ray_resilient.testing.kit import start_local_ray
 
 WORKERS = 2
 LAYERS = 64

@@ -2,7 +2,7 @@
 
 Setup
     The job and cluster of ``benchmarks/recovery.py``, from the experiment kit
-    (``ray_resilient.testing``): a local multi-node Ray cluster (``chaos_cluster``: a head with 0
+    (``ray_resilient.testing.kit``): a local multi-node Ray cluster (``chaos_cluster``: a head with 0
     CPUs plus one worker node with ``--node-cpus`` CPUs, default 3), the MLP 32 -> 512 -> 512 ->
     512 -> 4 (2.2 MB of parameters) with SGD and momentum, ``SyntheticBatches`` with a
     ``--global-batch`` of 96 samples, a step of ``--step-seconds`` (0.05) of ``time.sleep``
@@ -57,7 +57,7 @@ import random
 import time
 
 from ray_resilient import parse_faults
-from ray_resilient.testing import (
+from ray_resilient.testing.kit import (
     ChaosJob,
     Pause,
     chaos_cluster,

@@ -51,7 +51,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
 from ray_resilient.survivors import SurvivingReplicas, SurvivorConfig
-from ray_resilient.testing import experiment_dir, start_local_ray
+from ray_resilient.testing.kit import experiment_dir, start_local_ray
 
 MODELS = {"wide": 32, "conv": 64}  # model -> global batch
 

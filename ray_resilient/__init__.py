@@ -1,11 +1,14 @@
 """ray_resilient: fast, fault-tolerant PyTorch training on Ray Train.
 
-Public: the names in ``__all__`` here and in ``checkpoint``, ``data``, ``goodput``, ``storage``,
-``survivors`` and ``tracking``, plus ``ray_resilient.testing`` (the rig, for running our chaos
-tools against your jobs) and the ``ray-resilient`` command. Every other module, and the modules
-behind the exported names, are internal: jobs, benchmarks and notebooks import only public names
-(``tests/test_layering.py`` holds them to it). Names are imported on first use
-(:mod:`ray_resilient._lazy`): ``import ray_resilient`` alone imports neither torch nor Ray.
+Public: the names of ``ray_resilient``, ``checkpoint``, ``data``, ``goodput``, ``storage``,
+``survivors``, ``tracking``, ``watchdog`` and ``testing`` (the rig, for chaos runs of your own
+jobs), in three tiers. Stable, what a job uses: each package's ``__all__``. Developer, for code
+that extends the library and may change between minor versions: each package's ``DEVELOPER``.
+Kit, unstable: ``testing.kit``, the experiment kit of our benchmarks and tests. Every other
+module, and the modules behind the exported names, are internal; ``tests/test_layering.py``
+holds jobs, examples, notebooks and cluster scripts to stable names and benchmarks to public
+ones. Names are imported on first use (:mod:`ray_resilient._lazy`): ``import ray_resilient``
+alone imports neither torch nor Ray.
 """
 
 from typing import TYPE_CHECKING
@@ -29,15 +32,10 @@ _EXPORTS = {
     "CheckpointStorage": "checkpoint",
     "IncompatibleCheckpointError": "checkpoint",
     "NoLoadableCheckpointError": "checkpoint",
-    "ReshardableStateful": "checkpoint",
     "RunLeaseHeldError": "checkpoint",
     "RunLeaseLostError": "checkpoint",
     "TrainState": "checkpoint",
     "UnrecoverableRunError": "checkpoint",
-    "list_checkpoints": "checkpoint",
-    "FaultInjector": "faults",
-    "InjectedFault": "faults",
-    "parse_faults": "faults",
     "random_kill_plan": "faults",
     "RayUnreachableError": "connect",
     "connect_ray": "connect",
@@ -46,5 +44,12 @@ _EXPORTS = {
     "recommended_ray_config": "ray_config",
     "DEFAULT_PRELOAD_MODULES": "spare_workers",
 }
+DEVELOPER = {  # for code that extends the library: may change between minor versions
+    "ReshardableStateful": "checkpoint",
+    "list_checkpoints": "checkpoint",
+    "FaultInjector": "faults",
+    "InjectedFault": "faults",
+    "parse_faults": "faults",
+}
 __all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS | DEVELOPER)

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pyarrow.fs as pafs
 import torch
 
-from ray_resilient.testing import CLASSES, ChaosJob, job_model, make_image_volume, planned_samples
-from ray_resilient.testing.chaos_job import volume_loader
+from ray_resilient.testing import CLASSES, make_image_volume
+from ray_resilient.testing.kit import ChaosJob, job_model, planned_samples
+from ray_resilient.testing.kit.chaos_job import volume_loader
 
 
 def test_the_image_job_plans_exactly_the_samples_its_loaders_serve_to_ranks_and_to_replicas(tmp_path):

@@ -14,9 +14,14 @@ not executed). The layers, bottom up (README, "How it fits together"):
 - the front: ``ray_config``, ``connect`` (a driver's ``ray.init``), ``status`` (where a run
   stands), ``cli``, the package's lazy ``__init__``; beside it ``testing``, the rig.
 
-Outside the package (jobs, benchmarks, notebooks, examples, cluster and scripts, Python embedded
-in shell scripts included) only public names are used: those in the ``__all__`` of
-:data:`PUBLIC`. Across the whole repository, tests included, Ray's internals are touched only by
+Outside the package (Python embedded in shell scripts included) only public names are used, each of
+a tier its folder may use (:data:`OUTSIDE`). The tiers: stable, the ``__all__`` of each module of
+:data:`PUBLIC`; developer, its ``DEVELOPER``, for code that extends the library (may change between
+minor versions); kit, every name of :data:`KIT`, the experiment kit (unstable). Jobs, examples,
+notebooks, cluster and scripts, which users read and copy, use stable names only; benchmarks all
+three (their baselines build on developer names, their plumbing is the kit). No folder here takes
+developer names without the kit: they are for code of yours that extends the library. Tests may use
+anything, internals included. Across the whole repository, tests included, Ray's internals are touched only by
 ``_ray_internals`` and torch's only by ``_torch_internals`` (and each wall's own test).
 """
 
@@ -59,11 +64,19 @@ ALLOWED = {
     "__init__": BASE | {"checkpoint", "ray_config", "connect", "spare_workers"},
     "testing": BASE | {"checkpoint", "data", "goodput", "spare_workers", "survivors", "ray_config"},
 }
-# The public line: these modules' ``__all__`` names; everything else in the package is internal.
+# The public line: these modules' ``__all__`` and ``DEVELOPER`` names; everything else in the package is internal.
 PUBLIC = ("ray_resilient", "ray_resilient.checkpoint", "ray_resilient.data", "ray_resilient.goodput",
-          "ray_resilient.storage", "ray_resilient.survivors", "ray_resilient.testing", "ray_resilient.tracking",
-          "ray_resilient.watchdog")
-OUTSIDE = ("jobs", "benchmarks", "notebooks", "examples", "cluster", "scripts")  # code that uses the package
+          "ray_resilient.storage", "ray_resilient.survivors", "ray_resilient.testing", "ray_resilient.testing.kit",
+          "ray_resilient.tracking", "ray_resilient.watchdog")
+KIT = "ray_resilient.testing.kit"  # its ``__all__`` is the kit tier, not stable
+OUTSIDE = {  # code that uses the package, and the tiers of names it may use
+    "jobs": {"stable"},
+    "examples": {"stable"},
+    "notebooks": {"stable"},
+    "cluster": {"stable"},
+    "scripts": {"stable"},
+    "benchmarks": {"stable", "developer", "kit"},
+}
 SCANNED = ("ray_resilient", "tests", *OUTSIDE)  # the whole repository's code
 
 RAY_DEVELOPER_APIS = {"get_storage", "has_replica_groups"}  # DeveloperAPIs of Ray Train we use
@@ -211,51 +224,72 @@ def scan(top: str, offences) -> list[str]:
 
 # --- The public line --------------------------------------------------------------------------
 
-def public_names(module: str) -> set[str]:
-    return set(importlib.import_module(module).__all__)
+def tiers(module: str) -> dict[str, str]:
+    """{name: tier} of the public ``module``."""
+    package = importlib.import_module(module)
+    listed = "kit" if module == KIT else "stable"
+    return {**dict.fromkeys(getattr(package, "DEVELOPER", ()), "developer"), **dict.fromkeys(package.__all__, listed)}
 
 
-def not_public(name: str) -> str | None:
-    """Why the dotted ``ray_resilient...`` name (a module, or a name in one) is not public API, or None."""
-    if name in PUBLIC:
-        return None
-    owner, _, attribute = name.rpartition(".")
-    if owner in PUBLIC:
-        return None if attribute in public_names(owner) else f"{attribute} is not in {owner}.__all__"
-    return f"{name}: not a public module (public: {', '.join(PUBLIC)})"
+def misuse(name: str, top: str) -> str | None:
+    """Why the dotted ``ray_resilient...`` name (a module, or a name in one) may not be used under
+    ``top``, or None. An attribute chain past a public name (a method, a field) is that name's business."""
+    parts = name.split(".")
+    owner = max((".".join(parts[:n]) for n in range(1, len(parts) + 1) if ".".join(parts[:n]) in PUBLIC), key=len)
+    if owner == name:
+        tier = "kit" if name == KIT else "stable"
+    else:
+        attribute = parts[owner.count(".") + 1]
+        name, tier = f"{owner}.{attribute}", tiers(owner).get(attribute)
+        if tier is None:
+            return f"{attribute} is not in {owner}.__all__ or its DEVELOPER"
+    allowed = OUTSIDE[top]
+    if tier not in allowed:
+        return f"{name} is {tier} API; {top}/ may use {' or '.join(sorted(allowed))} names only"
+    return None
 
 
-def public_line_offences(path: Path, tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """Each internal name ``tree`` uses, once (at its import, not again at each use)."""
+def tier_offences(top: str, tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Each name ``tree`` uses that code under ``top`` may not, once (at its import, not again at each use)."""
     seen = set()
     for name, line in references(tree):
         if name == "ray_resilient" or name.startswith("ray_resilient."):
-            # An attribute chain past a public name (a method, a field) is that name's business.
-            prefixes = [".".join(name.split(".")[:n]) for n in range(2, name.count(".") + 2)]
-            first_outside = next((p for p in prefixes if p not in PUBLIC), None)
-            problem = not_public(first_outside) if first_outside else None
+            problem = misuse(name, top)
             if problem and problem not in seen:
                 seen.add(problem)
                 yield line, problem
 
 
 @pytest.mark.parametrize("top", OUTSIDE)
-def test_code_outside_the_package_uses_only_public_names(top):
+def test_code_outside_the_package_uses_only_the_tiers_it_may(top):
     """Jobs, benchmarks, notebooks, examples and cluster scripts use ``ray_resilient`` as users do:
-    what they need and the package lacks becomes public API (README, "How it fits together")."""
-    offenders = scan(top, public_line_offences)
+    what they need and the package lacks becomes public API (README, "How it fits together"), and
+    what users read and copy needs only stable names."""
+    offenders = scan(top, lambda path, tree: tier_offences(top, tree))
     for path in code_files(top):
         if path.suffix == ".sh":
-            offenders += [f"{path.relative_to(REPO)}: python -m {module}: not a public package"
-                          for module in SHELL_MODULE.findall(path.read_text()) if module not in PUBLIC]
+            offenders += [f"{path.relative_to(REPO)}: python -m {module}: {problem}"
+                          for module in SHELL_MODULE.findall(path.read_text()) if (problem := misuse(module, top))]
     assert not offenders, "\n".join(offenders)
 
 
 def test_the_public_modules_export_what_they_list():
     for module in PUBLIC:
         package = importlib.import_module(module)
-        for name in package.__all__:
+        for name in tiers(module):
             assert getattr(package, name) is not None, f"{module}.{name}"
+
+
+def test_each_public_name_has_one_tier():
+    """Listed once in its module (in ``__all__`` or ``DEVELOPER``), and alike in every module that exports it."""
+    found: dict[str, set[str]] = {}
+    for module in PUBLIC:
+        package = importlib.import_module(module)
+        listed = [*package.__all__, *getattr(package, "DEVELOPER", ())]
+        assert len(listed) == len(set(listed)), f"{module} lists a name twice"
+        for name, tier in tiers(module).items():
+            found.setdefault(name, set()).add(tier)
+    assert not {name: kinds for name, kinds in found.items() if len(kinds) > 1}
 
 
 @pytest.mark.parametrize("module", [m for m in PUBLIC if hasattr(importlib.import_module(m), "_EXPORTS")])
@@ -263,7 +297,8 @@ def test_a_lazy_package_shows_its_real_edges_to_tools(module):
     """Each lazy ``__init__`` imports its exports under ``TYPE_CHECKING``, exactly, so readers and
     type checkers see where each name comes from."""
     package = importlib.import_module(module)
-    exported = {(f"{module}.{source}", name) for name, source in package._EXPORTS.items()}
+    exports = package._EXPORTS | getattr(package, "DEVELOPER", {})
+    exported = {(f"{module}.{source}", name) for name, source in exports.items()}
     tree = ast.parse(Path(package.__file__).read_text())
     guarded = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
     imported = {(node.module, alias.name) for block in guarded for node in ast.walk(block)

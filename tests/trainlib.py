@@ -24,7 +24,8 @@ from torch.distributed.fsdp import fully_shard
 from ray_resilient import Checkpointer, spare_workers
 from ray_resilient._ray_internals import without_unused_dataset_manager
 from ray_resilient.checkpoint.lease import TTL_S
-from ray_resilient.testing import Recorder, RecordKind, train_replica, wait_until
+from ray_resilient.testing import wait_until
+from ray_resilient.testing.kit import RecordKind, Recorder, train_replica
 from ray_resilient.testing.synthetic_data import CLASSES, FEATURES, SyntheticBatches
 from ray_resilient.watchdog import HangWatchdogConfig
 
@@ -421,11 +422,11 @@ def survivor_volume_loader(config: dict[str, Any]) -> Any:
 
 
 def survivor_fn(config: dict[str, Any]) -> None:
-    """Train in survivor mode (the experiment kit's loop, :func:`ray_resilient.testing.train_replica`):
+    """Train in survivor mode (the experiment kit's loop, :func:`ray_resilient.testing.kit.train_replica`):
     ``micro_batches`` parts of each global batch of ``SyntheticBatches``, or with ``volume`` of the
     volume's images (:func:`survivor_volume_loader`), SGD with a scheduler.
 
-    Each process records into ``record_dir`` (:func:`ray_resilient.testing.read_records`): ``start``,
+    Each process records into ``record_dir`` (:func:`ray_resilient.testing.kit.read_records`): ``start``,
     ``joined`` (the step it joined at and the sha of its state then), each micro-batch it computed
     (the step, the membership, its part and sample ids), and every committed step (the membership,
     the loss, the sha). The lead

@@ -1,6 +1,7 @@
 """Sharded asynchronous DCP checkpoints reported through Ray Train, with automatic resume.
 
-The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+The names in ``__all__`` are the stable API, those in ``DEVELOPER`` the developer API; the modules
+behind them are internal and may change.
 ``SavePolicy`` is the rule the ``Checkpointer`` saves by, for loops that checkpoint another way
 (the naive baseline of ``benchmarks/goodput_chaos.py``).
 """
@@ -22,19 +23,21 @@ if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each nam
 
 _EXPORTS = {
     "UnrecoverableRunError": "errors",
-    "CheckpointDir": "layout",
-    "is_complete": "layout",
-    "list_checkpoints": "layout",
     "RunLeaseHeldError": "lease",
     "RunLeaseLostError": "lease",
     "Checkpointer": "checkpointer",
     "CheckpointSaveError": "save_outcomes",
     "IncompatibleCheckpointError": "restore",
     "NoLoadableCheckpointError": "restore",
-    "SavePolicy": "save_policy",
-    "ReshardableStateful": "state",
     "TrainState": "state",
     "CheckpointStorage": "storage",
 }
+DEVELOPER = {  # for code that extends the library: may change between minor versions
+    "CheckpointDir": "layout",
+    "is_complete": "layout",
+    "list_checkpoints": "layout",
+    "SavePolicy": "save_policy",
+    "ReshardableStateful": "state",
+}
 __all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS | DEVELOPER)

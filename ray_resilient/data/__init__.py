@@ -1,6 +1,7 @@
 """Stream, cache, shard and prefetch files from a remote volume, with an exact resumable position.
 
-The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+The names in ``__all__`` are the stable API, those in ``DEVELOPER`` the developer API; the modules
+behind them are internal and may change.
 """
 
 from typing import TYPE_CHECKING
@@ -20,24 +21,26 @@ if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each nam
     from ray_resilient.data.volume import Volume, VolumeError, VolumeFile
 
 _EXPORTS = {
-    "CacheStats": "cache",
-    "FileCache": "cache",
     "StreamingConfig": "config",
     "Batch": "dataset",
     "CorruptSampleError": "dataset",
-    "StreamingVolumeDataset": "dataset",
     "VolumeImageDataset": "dataset",
-    "default_cache_dir": "dataset",
     "default_transform": "dataset",
     "eval_transform": "dataset",
     "VolumeDataLoader": "loader",
-    "default_num_workers": "loader",
     "PARQUET_STREAMING": "parquet",
     "ParquetVolumeDataset": "parquet",
-    "SamplePlan": "plan",
     "Volume": "volume",
     "VolumeError": "volume",
+}
+DEVELOPER = {  # for code that extends the library: may change between minor versions
+    "CacheStats": "cache",
+    "FileCache": "cache",
+    "StreamingVolumeDataset": "dataset",
+    "default_cache_dir": "dataset",
+    "default_num_workers": "loader",
+    "SamplePlan": "plan",
     "VolumeFile": "volume",
 }
 __all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS | DEVELOPER)

@@ -1,6 +1,7 @@
 """Goodput: a ledger of every second of a run across restarts, and a planner for the checkpoint interval.
 
-The names in ``__all__`` are the public API; the modules behind them are internal and may change.
+The names in ``__all__`` are the stable API, those in ``DEVELOPER`` the developer API; the modules
+behind them are internal and may change.
 A run's ledger is written by :class:`LedgerWriter` (the ``Checkpointer`` keeps one; a loop of
 your own can too) and read by :func:`load_ledger`: a :class:`Ledger` of each attempt's
 :class:`AttemptSummary`, accounted by its ``account()`` into a :class:`Breakdown` of the parts in
@@ -27,30 +28,32 @@ if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each nam
 
 _EXPORTS = {
     "PARTS": "accounting",
-    "Attempt": "accounting",
     "AttemptSummary": "accounting",
     "Breakdown": "accounting",
-    "account": "accounting",
-    "group_attempts": "accounting",
     "EventKind": "events",
     "Ledger": "ledger",
-    "LedgerWriter": "ledger",
     "load_events": "ledger",
     "load_ledger": "ledger",
     "read_events": "ledger",
     "read_ledger": "ledger",
-    "store_summaries": "ledger",
     "MeasuredInputs": "planner",
     "Plan": "planner",
-    "daly_interval": "planner",
-    "expected_goodput": "planner",
-    "interval_steps_for": "planner",
     "make_plan": "planner",
     "measured_inputs": "planner",
     "parse_duration": "planner",
     "plan_from_measured": "planner",
-    "young_interval": "planner",
     "render_report": "report",
 }
+DEVELOPER = {  # for code that extends the library: may change between minor versions
+    "Attempt": "accounting",
+    "account": "accounting",
+    "group_attempts": "accounting",
+    "LedgerWriter": "ledger",
+    "store_summaries": "ledger",
+    "daly_interval": "planner",
+    "expected_goodput": "planner",
+    "interval_steps_for": "planner",
+    "young_interval": "planner",
+}
 __all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS | DEVELOPER)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ray_resilient.testing.records import Recorder, RecordKind
+from ray_resilient.testing.kit.records import Recorder, RecordKind
 
 SYNTHETIC_DATA = "ray_resilient.testing.synthetic_data"
 # Modules whose presence when a train function starts says what its worker process imported before.

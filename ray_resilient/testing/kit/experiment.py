@@ -40,10 +40,10 @@ from typing import Any
 
 from ray_resilient._ray_internals import NO_API_SERVER, ControllerRestart, controller_restart
 from ray_resilient.faults import parse_faults
-from ray_resilient.testing.chaos_job import SYNTHETIC_DATA, ChaosJob
 from ray_resilient.testing.driver import run_driver
+from ray_resilient.testing.kit.chaos_job import SYNTHETIC_DATA, ChaosJob
+from ray_resilient.testing.kit.records import RecordKind, of_kind, read_records
 from ray_resilient.testing.local_cluster import LocalRayCluster
-from ray_resilient.testing.records import RecordKind, of_kind, read_records
 
 KERNEL_THREADS = 2  # kthreadd, the parent of every kernel thread (their CPU counts for nobody)
 
