@@ -302,6 +302,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else ~/.ray_resilient/mlflow.db)")
     run.add_argument("--faults", default="",
                      help='fault plan for demos, e.g. "kill:step=30:rank=1" (see ray_resilient.faults; default: none)')
+    run.add_argument("--verbose", action="store_true",
+                     help="echo all of Ray's output (a line per report, the controller's error blocks), not only "
+                          "the run's story (default: off; Ray's log files keep it all)")
     train = parser.add_argument_group("training")
     train.add_argument("--model", default="resnet18", help="torchvision model name (default: resnet18)")
     train.add_argument("--epochs", type=int, default=5, help="epochs (default: 5)")
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     workers = args.max_workers if args.survivors else (args.min_workers, args.max_workers)
     ray_config = recommended_ray_config(args.name, args.storage_path, workers=workers, use_gpu=args.use_gpu,
                                         max_failures=args.max_failures, num_to_keep=args.num_to_keep,
-                                        survivors=args.survivors)
+                                        survivors=args.survivors, verbose=args.verbose)
     # Class names from the driver: a ``.classes`` attribute inside a train function defined in
     # __main__ makes cloudpickle try to pickle the torch.classes module.
     config = {"volume": volume, "class_names": Volume(f"{volume}/train").classes, "cache_dir": args.cache_dir, "cache_limit": args.cache_limit,

@@ -5,8 +5,8 @@ run's id and storage (``get_storage()``), the raylet's ``PrestartWorkers`` RPC a
 hook's variable (spare workers), the GCS's node table (the local test cluster), environment
 variables read by Ray's C++ core and Train V2's controller, replica-group replacement
 (``has_replica_groups``, survivor mode), the callback that starts an attempt's ``DatasetManager``,
-the text of the controller's log (restart timings) and the autoscaler's config schema
-(``cluster/``). Nothing else in the repository (package, jobs, benchmarks, tests) touches
+the text of the controller's log (restart timings), the autoscaler's config schema
+(``cluster/``) and the driver's echo of worker output (the console). Nothing else in the repository (package, jobs, benchmarks, tests) touches
 ``ray._private``, ``ray._raylet``, any ``_internal`` or other underscore module of Ray, or those
 DeveloperAPIs: ``tests/test_layering.py`` scans for them.
 
@@ -20,10 +20,12 @@ outside the package reaches this module only through public names: the experimen
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -240,3 +242,39 @@ def validate_cluster_config(config: dict[str, Any]) -> None:
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     validate_config(prepare_config(config))
+
+
+WORKER_OUTPUT_HANDLER = "ray_print_logs"  # the name Ray's driver gives its printer of worker output
+
+
+@contextlib.contextmanager
+def worker_output_filtered(shown: Callable[[dict[str, Any]], list[str]]) -> Iterator[None]:
+    """Within, the driver echoes of each batch of worker output only the lines ``shown`` returns
+    (a batch: ``pid`` (``"raylet"`` for the error messages the raylet sends), ``actor_name``,
+    ``lines``, ...); Ray's printer and its deduplication are otherwise unchanged, and its log files
+    keep every line. Without Ray's printer (``log_to_driver=False``, or one that moved), the worker
+    output is left as it is."""
+    from ray._private import worker as ray_worker
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    printers = [handler for name, handler in dispatcher.handlers if name == WORKER_OUTPUT_HANDLER]
+    print_errors = ray_worker.print_to_stdstream  # the raylet's error messages go straight to it
+
+    def only_shown(printer: Callable[..., None]) -> Callable[..., None]:
+        def print_shown(data: dict[str, Any], **kwargs: Any) -> None:
+            lines = shown(data)
+            if lines:
+                printer({**data, "lines": lines}, **kwargs)
+        return print_shown
+
+    if len(printers) == 1:
+        dispatcher.remove_handler(WORKER_OUTPUT_HANDLER)
+        dispatcher.add_handler(WORKER_OUTPUT_HANDLER, only_shown(printers[0]))
+    ray_worker.print_to_stdstream = only_shown(print_errors)
+    try:
+        yield
+    finally:
+        ray_worker.print_to_stdstream = print_errors
+        if len(printers) == 1:
+            dispatcher.remove_handler(WORKER_OUTPUT_HANDLER)
+            dispatcher.add_handler(WORKER_OUTPUT_HANDLER, printers[0])

@@ -19,6 +19,11 @@ Each choice, and why:
   considers it every ``resize_check_s`` (default 5 minutes); a failure restart also grows.
 - ``CheckpointConfig(num_to_keep=3)``: the newest checkpoint plus fallbacks in case it turns out
   unreadable; older ones are deleted as new ones are registered.
+- The console (:mod:`ray_resilient.console`): the run's story, not Ray's bookkeeping. Ray Train's
+  informational logs (``RunConfig(logging_config=LoggingConfig(log_level="WARNING"))``) and the
+  raylet's and the Train controller's output are not echoed on the driver (Ray's log files keep
+  them); a failure prints one line per failed rank (``ReportFailures``). ``verbose=True`` shows
+  everything.
 - ``RunConfig(callbacks=[StopOnUnrecoverableError()])``: a checkpoint that does not fit the
   job (it changed: a layer's shape, the dataset), or a run directory another driver holds, fails
   every restart the same way, so the run ends at the first such error
@@ -61,6 +66,7 @@ Each choice, and why:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -69,15 +75,17 @@ from typing import Any
 
 import pyarrow.fs as pafs
 from ray.train import (
-    CheckpointConfig, FailureConfig, Result, RunConfig, ScalingConfig, TrainingFailedError, UserCallback,
+    CheckpointConfig, FailureConfig, LoggingConfig, Result, RunConfig, ScalingConfig, TrainingFailedError,
+    UserCallback,
 )
 
 from ray_resilient._ray_internals import (
     TRAIN_HEALTH_CHECK_INTERVAL_ENV, TRAIN_PRINT_PATCH_ENV, TRAIN_WORKER_GROUP_START_TIMEOUT_ENV,
-    TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV, without_unused_dataset_manager,
+    TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_ENV, without_unused_dataset_manager, worker_output_filtered,
 )
 from ray_resilient.checkpoint.layout import list_checkpoints
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
+from ray_resilient.console import ReportFailures, shown_lines
 from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.storage.run import RunStorage
@@ -112,6 +120,7 @@ class ResilientRayConfig:
     run_config: RunConfig
     env: dict[str, str] = field(default_factory=dict)
     torch_config: Any = None  # survivor mode's SurvivorConfig, else Ray's default
+    verbose: bool = False  # echo all of Ray's output on the driver (see ray_resilient.console)
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """``scaling_config``, ``run_config`` (and survivor mode's ``torch_config``) for
@@ -145,7 +154,8 @@ class ResilientRayConfig:
         ledger.record(EventKind.JOB_START)
         ledger.close()
         try:
-            return without_unused_dataset_manager(trainer).fit()
+            with contextlib.nullcontext() if self.verbose else worker_output_filtered(shown_lines):
+                return without_unused_dataset_manager(trainer).fit()
         except TrainingFailedError as err:
             failure = getattr(err, "controller_failure", None)
             if isinstance(failure, UnrecoverableRunError):
@@ -183,6 +193,7 @@ def recommended_ray_config(
     spare_workers: bool | None = None,
     preload: Sequence[str] = DEFAULT_PRELOAD_MODULES,
     survivors: bool = False,
+    verbose: bool = False,
 ) -> ResilientRayConfig:
     """The recommended configuration (see the module docstring for each choice).
 
@@ -200,6 +211,7 @@ def recommended_ray_config(
             environment sets ``RAY_RESILIENT_SPARE_WORKERS=0``).
         preload: modules every worker process imports as it starts (with ``spare_workers``).
         survivors: survivor mode (:mod:`ray_resilient.survivors`); needs a fixed ``workers``.
+        verbose: echo all of Ray's output on the driver, not only the run's story (:mod:`ray_resilient.console`).
     """
     if isinstance(workers, tuple):
         low, high = workers
@@ -222,7 +234,8 @@ def recommended_ray_config(
         storage_filesystem=storage_filesystem,
         failure_config=FailureConfig(max_failures=max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=num_to_keep),
-        callbacks=[StopOnUnrecoverableError()],
+        callbacks=[ReportFailures(), StopOnUnrecoverableError()],
+        logging_config=None if verbose else LoggingConfig(log_level="WARNING"),
         worker_runtime_env={"env_vars": worker_env(preload, scaling.num_cpus_per_worker)} if spare_workers else None,
     )
     torch_config = None
@@ -230,4 +243,4 @@ def recommended_ray_config(
         from ray_resilient.survivors import SurvivorConfig
 
         torch_config = SurvivorConfig()
-    return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})}, torch_config)
+    return ResilientRayConfig(scaling, run, {**RECOMMENDED_ENV, **(env or {})}, torch_config, verbose)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -187,6 +188,7 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(mode,
         assert log.count("[survivors] ") == 1 and "[attempt 2]" not in log
     else:
         assert "[attempt 2]" in log
+        assert_console_tells_the_readmes_story(log)
         # A death is no hang: the rank left waiting for the killed one is not declared hung.
         assert "declared hung" not in log
         assert not [e for e in read_events(pafs.LocalFileSystem(), str(run_dir)) if e["kind"] == "hang"]
@@ -208,6 +210,43 @@ def test_the_readme_first_command_recovers_its_kill_and_learns_as_promised(mode,
     assert any("running_mean" in key for key in killed_state)
     differing = [key for key in killed_state if not torch.equal(killed_state[key], uninterrupted_state[key])]
     assert not differing, f"{len(differing)} of {len(killed_state)} tensors differ: {differing[:5]}"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def readme_excerpt() -> list[str]:
+    """The lines of the README's sample output of its first command (a "…" stands for anything)."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("What you see", 1)[1].split("```\n", 2)[1]
+    return [line for line in block.splitlines() if line.strip() not in ("", "…")]
+
+
+def excerpt_pattern(line: str) -> re.Pattern:
+    """A README output line as a pattern: any number where it has one, anything for "…", any run of spaces."""
+    parts = []
+    for piece in re.split(r"(…|\d+(?:\.\d+)?|\s+)", line.strip()):
+        if piece == "…":
+            parts.append(".*")
+        elif NUMBER.fullmatch(piece or "x"):
+            parts.append(NUMBER.pattern)
+        elif piece.isspace():
+            parts.append(r"\s+")
+        else:
+            parts.append(re.escape(piece))
+    return re.compile("".join(parts))
+
+
+def assert_console_tells_the_readmes_story(log: str) -> None:
+    """Every line of the README's excerpt is in the job's output (numbers aside; the order of lines
+    from different processes is not fixed), and the output of the run, which succeeded through its
+    kill, holds no traceback."""
+    lines = [ANSI.sub("", line).strip() for line in log.splitlines()]
+    assert not [line for line in lines if "Traceback" in line], log[-5000:]
+    missing = [expected for expected in readme_excerpt()
+               if not any(excerpt_pattern(expected).fullmatch(line) for line in lines)]
+    assert not missing, f"the README's lines {missing} are not in the output:\n{log}"
 
 
 @pytest.fixture(scope="module")

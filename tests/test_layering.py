@@ -11,8 +11,9 @@ not executed). The layers, bottom up (README, "How it fits together"):
   then ``checkpoint``, which feeds the goodput ledger; then ``survivors``
   (survivor mode), which writes its checkpoints with ``checkpoint``'s parts and judges its
   replicas' silence by ``watchdog``'s rule;
-- the front: ``ray_config``, ``connect`` (a driver's ``ray.init``), ``status`` (where a run
-  stands), ``cli``, the package's lazy ``__init__``; beside it ``testing``, the rig.
+- the front: ``console`` (what a run prints), ``ray_config``, ``connect`` (a driver's
+  ``ray.init``), ``status`` (where a run stands), ``cli``, the package's lazy ``__init__``;
+  beside it ``testing``, the rig.
 
 Outside the package (Python embedded in shell scripts included) only public names are used, each of
 a tier its folder may use (:data:`OUTSIDE`). The tiers: stable, the ``__all__`` of each module of
@@ -57,7 +58,8 @@ ALLOWED = {
     "watchdog": BASE | {"goodput"},
     "checkpoint": BASE | {"goodput", "spare_workers", "watchdog"},
     "survivors": BASE | {"checkpoint", "goodput", "spare_workers", "watchdog"},
-    "ray_config": BASE | {"checkpoint", "goodput", "spare_workers", "survivors"},
+    "console": set(),
+    "ray_config": BASE | {"checkpoint", "console", "goodput", "spare_workers", "survivors"},
     "connect": set(),
     "status": BASE | {"checkpoint", "goodput"},
     "cli": BASE | {"checkpoint", "goodput", "status"},

@@ -138,3 +138,38 @@ def test_a_train_run_has_its_run_id_and_storage_and_the_controller_logs_its_rest
     assert not math.isnan(restart.retry)
     assert list(restart.phases) == list(restart.PHASES)
     assert all(restart.retry < t for t in restart.phases.values()), restart.phases  # NaN (not logged) fails
+
+
+def test_the_drivers_echo_of_worker_output_shows_only_the_chosen_lines_within(ray_cluster, capfd):
+    """Within, an actor's lines and the raylet's error messages reach the driver's console only as
+    the filter chooses; after it, as Ray prints them."""
+    from ray_resilient.testing import wait_until
+
+    @ray.remote(num_cpus=0)
+    class Talker:
+        def say(self, *lines: str) -> None:
+            for line in lines:
+                print(line, flush=True)
+
+    talker = Talker.remote()
+    batches: list[dict] = []
+    printed: list[str] = []
+
+    def shown(batch: dict) -> list[str]:
+        batches.append(batch)
+        return [line for line in batch["lines"] if "shown" in line]
+
+    def console_has(text: str) -> bool:
+        printed.append(capfd.readouterr().out)
+        return text in "".join(printed)
+
+    with _ray_internals.worker_output_filtered(shown):
+        ray.get(talker.say.remote("line shown", "line hidden"))
+        wait_until(lambda: console_has("line shown"), timeout=30, what="the actor's shown line on the console")
+        ray._private.worker.print_to_stdstream({"lines": ["raylet hidden"], "pid": "raylet", "is_err": False},
+                                               ignore_prefix=False)
+    ray.get(talker.say.remote("line after"))
+    wait_until(lambda: console_has("line after"), timeout=30, what="the actor's line after the filter")
+    console = "".join(printed)
+    assert "line hidden" not in console and "raylet hidden" not in console
+    assert any(b.get("actor_name") == "Talker" for b in batches) and any(b["pid"] == "raylet" for b in batches)

@@ -330,10 +330,20 @@ class Checkpointer:
             # Durable before a crash but never registered: hand it to Ray now, so that
             # get_checkpoint(), Result.checkpoint and num_to_keep all know it.
             self._register(ckpt.path, {"step": saved.step, "epoch": saved.epoch})
-        logger.info("Resuming at step %d, epoch %d (restore took %.3fs)", saved.step, saved.epoch,
-                    time.monotonic() - started)
+        took = time.monotonic() - started
         self._restored(wall_started)
+        if self.rank == 0:
+            logger.info("Resuming at step %d, epoch %d (restore took %.3fs)%s", saved.step, saved.epoch, took,
+                        self._failures_cost())
         return self.train_state
+
+    def _failures_cost(self) -> str:
+        """What the run's restarts cost so far, from its goodput ledger (rank 0, after the restore)."""
+        live = self.goodput.breakdown()
+        if live is None or live.attempts < 2:
+            return ""
+        return (f"; the run's {live.attempts - 1} restart(s) so far cost {live.steps_recomputed} steps trained again "
+                f"({live.wasted:.1f}s) and {live.init_restart + live.restore:.1f}s restarting and restoring")
 
     def _restored(self, wall_started: float) -> None:
         self._note("training")

@@ -236,7 +236,8 @@ def load_newest_loadable(
             continue
         for warning in warnings + applied:
             logger.warning("Restored %s: %s", ckpt.path, warning)
-        logger.info("Restored %s (step %d) in %.3fs", ckpt.path, saved.step, time.monotonic() - started)
+        logger.log(logging.INFO if rank == 0 else logging.DEBUG, "Restored %s (step %d) in %.3fs", ckpt.path,
+                   saved.step, time.monotonic() - started)
         if storage.is_remote:  # every rank has read what it needs: the node keeps this copy only
             keep_only(storage.local_dir, checkpoint_dir_name(ckpt.step, ckpt.attempt))
         return ckpt, saved

@@ -240,7 +240,8 @@ class AsyncCheckpointWriter:
                 ok = self._agree(self.rank != 0 or attempt("uploading .metadata", lambda: self._commit_remote(name)))
         durable_seconds = time.monotonic() - started
         if ok:
-            logger.info("Checkpoint %s durable %.3fs after the save began", path, durable_seconds)
+            logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "Checkpoint %s durable %.3fs after the save "
+                       "began", path, durable_seconds)
             self.on_durable(step, time.time())
             self.faults.fire("durable", step)
         if self.storage.is_remote:
