@@ -8,7 +8,10 @@ scripts/setup.sh
 if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -v -p no:cacheprovider --durations=25 "$@"
 fi
-.venv/bin/python -m pytest -v -p no:cacheprovider --durations=25
+status=0  # both parts run; the script fails if either did
+.venv/bin/python -m pytest -v -p no:cacheprovider --durations=25 || status=$?
 scripts/setup.sh --lowest
-exec .venv-lowest/bin/python -m pytest -v -p no:cacheprovider --durations=10 \
-  tests/test_checkpoint_unit.py tests/test_staging.py tests/test_fsdp_checkpoint.py tests/test_buffers.py tests/test_restore.py tests/test_remote_restore.py tests/test_data.py tests/test_parquet.py tests/test_torch_internals.py
+.venv-lowest/bin/python -m pytest -v -p no:cacheprovider --durations=10 \
+  tests/test_checkpoint_unit.py tests/test_staging.py tests/test_fsdp_checkpoint.py tests/test_buffers.py tests/test_restore.py tests/test_remote_restore.py tests/test_data.py tests/test_parquet.py tests/test_torch_internals.py \
+  || status=$?
+exit "$status"
