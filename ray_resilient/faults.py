@@ -20,9 +20,11 @@ job's command line or the ``RAY_RESILIENT_FAULTS`` environment variable:
 - POINT: ``step`` (after that training step), ``staging`` (while staging the checkpoint of that
   step), ``upload`` (while writing/uploading it, after part of it is written), ``durable``
   (after it is durable, before Ray registers it), ``copy`` (survivor mode: while a replica sends
-  its state to the replicas behind it, after the layout, before the tensors), ``restore`` (a
-  ``Checkpointer`` restoring, before it reads; STEP 0). These points but ``step`` fire on the first
-  save (or copy) at or after STEP: a save due while the ones before are still being written is
+  its state to the replicas behind it, after the layout, before the tensors), ``register``
+  (survivor mode: a replica about to make its part of registering the lead's checkpoint of that
+  step with Ray), ``restore`` (a ``Checkpointer``, or a survivor membership's source, restoring,
+  before it reads; STEP 0). These points but ``step`` fire on the first save (or copy, or
+  registration) at or after STEP: a save due while the ones before are still being written is
   deferred a step.
 
 Example: ``kill:step=7:rank=1;kill:upload=20`` kills rank 1 after step 7, then rank 0 (the
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 FAULTS_ENV = "RAY_RESILIENT_FAULTS"
 ACTIONS = ("kill", "stop", "raise", "fail_write", "slow_write", "pause", "preempt", "partition")
-POINTS = ("step", "staging", "upload", "durable", "copy", "restore")
+POINTS = ("step", "staging", "upload", "durable", "copy", "register", "restore")
 TIMED = ("slow_write", "pause")  # the actions that take seconds=S
 
 

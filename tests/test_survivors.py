@@ -360,13 +360,15 @@ class HeldRun:
     outcome: dict
 
     @classmethod
-    def launch(cls, tmp_path: Path, job: dict, name: str, hold_at: int, **loop) -> "HeldRun":
-        """Start ``job`` (a :class:`SurvivorRun`'s); returns at once."""
+    def launch(cls, tmp_path: Path, job: dict, name: str, hold_at: int, num_to_keep: int | None = None,
+               **loop) -> "HeldRun":
+        """Start ``job`` (a :class:`SurvivorRun`'s, or ``SURVIVOR_JOB``); returns at once."""
         record, storage, released = tmp_path / "rec", tmp_path / "storage", tmp_path / "released"
         record.mkdir()
         config = {**job, "record_dir": str(record), "wait_at": [{"step": hold_at, "until": str(released)}], **loop}
         outcome: dict = {}
-        thread = threading.Thread(target=lambda: outcome.update(result=fit_survivors(config, storage, name, workers=2)))
+        thread = threading.Thread(target=lambda: outcome.update(
+            result=fit_survivors(config, storage, name, workers=2, num_to_keep=num_to_keep)))
         thread.start()
         return cls(record, storage / name, released, thread, outcome)
 
@@ -546,5 +548,75 @@ def test_failed_saves_escalate_in_survivor_mode_and_a_failed_final_save_is_made_
     run_dir = storage / "saves"
     assert "fail_write-upload-60-rank1" in {p.name for p in (run_dir / ".faults").iterdir()}
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(run_dir))
-    assert [(c.step, c.attempt) for c in checkpoints if c.complete] == [(40, 0), (50, 0), (60, 0)]
+    # The new lead's lease generation (attempt 1) names its checkpoints: the first lead's names are never reused.
+    assert [(c.step, c.attempt) for c in checkpoints if c.complete] == [(40, 1), (50, 1), (60, 1)]
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
+
+
+# SURVIVOR_JOB with no volume trains on SyntheticBatches: no S3 volume and no reference run needed.
+
+
+def test_a_registration_ray_skipped_as_it_replaced_a_replica_is_offered_again_and_num_to_keep_deletes_it(
+        ray_cluster, tmp_path):
+    """Replica 1 is killed as it is about to register checkpoint 10 with Ray (a fault of the
+    registration): the lead's report waits at Ray's barrier, which Ray resets when it replaces
+    replica 1, skipping the report. The replacement says which checkpoint Ray had as it started,
+    and once it is taken in (the lead stands after step 30 until it started) the lead offers 10
+    again: Ray registers every checkpoint, and num_to_keep=2 leaves the newest two (the skipped
+    one was never registered, so never deleted)."""
+    held = HeldRun.start(tmp_path, SURVIVOR_JOB, "skipped", 30, num_to_keep=2, faults="kill:register=10:rank=1")
+    try:
+        killed = records_of(held.record, kind="start", rank=1)[0]["pid"]
+        wait_until(lambda: pid_of(held.record, 1, not_pid=killed), timeout=300, what="replica 1's replacement")
+    finally:
+        result = held.release()
+    assert result is not None and result.error is None
+    assert "kill-register-10-rank1" in {p.name for p in (held.storage / ".faults").iterdir()}
+    complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(held.storage)) if c.complete]
+    assert [c.step for c in complete] == [50, 60]
+    assert [c.path for c, _ in result.best_checkpoints] == [c.path for c in complete]
+    assert result.checkpoint.path == complete[-1].path
+
+
+def test_a_lead_lost_after_its_final_checkpoint_became_durable_leaves_the_other_replica_to_finish_the_run(
+        ray_cluster, tmp_path):
+    """The lead (replica 0) is killed right after its final checkpoint (step 20) became durable,
+    before it told the others that the run finished. Replica 1 takes over as the lead in its own
+    process: it finds step 20 durable (no second final save), waits for replica 0's replacement and
+    finishes the run; nobody raises, and replica 1 never restarts."""
+    record, storage = tmp_path / "rec", tmp_path / "storage"
+    record.mkdir()
+    config = {**SURVIVOR_JOB, "epochs": 2, "record_dir": str(record), "faults": "kill:durable=20:rank=0"}
+    result = fit_survivors(config, storage, "lead-end", workers=2)
+    assert result.error is None
+    run_dir = storage / "lead-end"
+    assert "kill-durable-20-rank0" in {p.name for p in (run_dir / ".faults").iterdir()}
+    [survivor] = [r["pid"] for r in records_of(record, kind="start", rank=1)]
+    assert [r["step"] for r in records_of(record, kind="finished", pid=survivor)] == [20]
+    complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(run_dir)) if c.complete]
+    assert [(c.step, c.attempt) for c in complete] == [(10, 0), (20, 0)]  # the lost lead's final one, not made again
+    assert result.checkpoint.path == complete[-1].path and result.metrics["step"] == 20
+
+
+def test_a_source_stuck_restoring_from_storage_is_given_up_and_the_others_re_form_instead_of_waiting_for_ever(
+        ray_cluster, tmp_path):
+    """Replica 0, the source of the first membership, stops before it reads for 10 s more than the
+    others wait for a restore that makes no progress (RESTORE_STALL_TIMEOUTS x timeout_s): replica 1
+    gives the membership up (a read stuck would otherwise hang the group, heartbeats green). Once
+    replica 0 is back, the two re-form, nobody lost, it copies its state to replica 1, and both
+    train every step in their first processes."""
+    from ray_resilient.survivors.replicas import RESTORE_STALL_TIMEOUTS
+
+    record, storage = tmp_path / "rec", tmp_path / "storage"
+    record.mkdir()
+    pause = RESTORE_STALL_TIMEOUTS * 3.0 + 10
+    config = {**SURVIVOR_JOB, "epochs": 1, "record_dir": str(record), "timeout_s": 3.0,
+              "faults": f"pause:restore=0:rank=0:seconds={pause:g}"}
+    result = fit_survivors(config, storage, "stuck-restore", max_failures=0, workers=2)
+    assert result.error is None
+    events = read_events(pafs.LocalFileSystem(), str(storage / "stuck-restore"))
+    assert [(e["lost"], e["joined"]) for e in events if e["kind"] == "membership"] == [([], [])]
+    assert len([e for e in events if e["kind"] == "peer_recovery"]) == 1
+    for replica in range(2):
+        [pid] = [r["pid"] for r in records_of(record, kind="start", rank=replica)]
+        assert [r["step"] for r in records_of(record, kind="step", pid=pid)] == list(range(1, 11))

@@ -268,13 +268,13 @@ def exchange_rank(rank: int, size: int, root: str) -> None:
     group = gloo_group(store, rank, size, datetime.timedelta(seconds=60), "127.0.0.1")
     exact = torch.zeros(ROW, dtype=torch.bool)
     exact[-3:] = True
-    exchange = MicroBatchExchange(ROW, MICRO_BATCHES, exact)
+    exchange = MicroBatchExchange(ROW, MICRO_BATCHES, exact, replicas=size, dtype=torch.float32)
     results = []
     for step in range(2):  # the buffers are reused: the second step must not see the first's
         rows = exchange.rows(size)
         for slot, k in enumerate(range(rank, MICRO_BATCHES, size)):
             rows[slot] = micro_batch_row(k) * (step + 1)
-        reduced, controls = exchange.reduce(group, rank, torch.tensor([rank * 10.0, step]), lambda work: work.wait())
+        reduced, controls = exchange.reduce(group, rank, torch.tensor([rank * 10, step]), lambda work: work.wait())
         results.append((reduced.clone(), controls.clone()))
     torch.save({"results": results, "sent_bytes": exchange.sent_bytes}, f"{root}/{size}-{rank}.pt")
 
@@ -285,8 +285,10 @@ def test_the_exchange_sums_micro_batches_in_their_order_to_the_same_bits_at_any_
     every member of every membership gets the same bits, the sequential sum in micro-batch order
     divided by their count (integer elements: micro-batch 0's), and every member's controls. Each
     member sends, per step, with one micro-batch each, what DDP's ring all-reduce sends (2 (n - 1) / n
-    rows, the controls and padding aside)."""
+    rows: the data and the controls' ``MICRO_BATCHES x CONTROLS x DIGITS`` digits, padding aside)."""
     import torch.multiprocessing as mp
+
+    from ray_resilient.survivors.exchange import CONTROLS, DIGITS
 
     for size in (1, 2, 3, 4):
         mp.start_processes(exchange_rank, args=(size, str(tmp_path)), nprocs=size, start_method="fork")
@@ -303,9 +305,64 @@ def test_the_exchange_sums_micro_batches_in_their_order_to_the_same_bits_at_any_
             for rank in range(size):
                 reduced, controls = torch.load(tmp_path / f"{size}-{rank}.pt")["results"][step]
                 assert torch.equal(reduced.view(torch.int32), sequential_bits), (size, rank, step)
-                assert controls.tolist() == [[r * 10.0, step] for r in range(size)]
+                assert controls.tolist() == [[r * 10, step] for r in range(size)]
     for size in (2, 4):
         sent = torch.load(tmp_path / f"{size}-0.pt")["sent_bytes"] / 2  # per step
-        ring = 2 * (size - 1) / size * ROW * 4
+        ring = 2 * (size - 1) / size * (ROW + MICRO_BATCHES * CONTROLS * DIGITS) * 4
         slots = -(-MICRO_BATCHES // size)
         assert sent <= ring * slots * 1.02 and (slots > 1 or sent >= ring * 0.98), (size, sent, ring)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_exchange_carries_integer_controls_exactly_in_rows_of_the_gradients_dtype_under_a_bf16_default(dtype):
+    """Two members of a real gloo group (threads) under ``torch.set_default_dtype(torch.bfloat16)``:
+    the controls of steps 2**24 + 2 and 300 (where float32 and bfloat16 round the offered step + 1)
+    and of one past 2**60 come back exact, and the rows keep the gradients' dtype (float32 ones
+    are not rounded to the default's bfloat16)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from ray_resilient._torch_internals import gloo_group
+    from ray_resilient.survivors.exchange import MicroBatchExchange
+
+    value = torch.tensor(1 + 2 ** -12, dtype=dtype)  # bfloat16 holds 1 + 2**-7 at best
+    steps = [2 ** 24 + 2, 300, 2 ** 60 + 1]
+    store, results = dist.HashStore(), {}
+
+    def member(rank: int) -> None:
+        group = gloo_group(dist.PrefixStore("exchange/", store), rank, 2, datetime.timedelta(seconds=30), "127.0.0.1")
+        exchange = MicroBatchExchange(3, 2, torch.zeros(3, dtype=torch.bool), replicas=2, dtype=dtype)
+        for step in steps:
+            exchange.rows(2)[0] = value * (rank + 1)
+            controls = torch.tensor([1 + step + rank, rank], dtype=torch.int64)
+            reduced, received = exchange.reduce(group, rank, controls, lambda work: work.wait())
+            results[rank, step] = reduced.clone(), received.clone()
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        threads = [threading.Thread(target=member, args=(rank,)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        torch.set_default_dtype(default)
+    mean = (value + value * 2) / 2
+    assert sorted(results) == [(rank, step) for rank in range(2) for step in sorted(steps)]
+    for (rank, step), (reduced, received) in results.items():
+        assert reduced.dtype == dtype and torch.equal(reduced, mean.expand(3)), (rank, step, reduced)
+        assert received.dtype == torch.int64 and received.tolist() == [[1 + step, 0], [2 + step, 1]], (rank, step)
+
+
+def test_fewer_micro_batches_than_replicas_are_refused():
+    """A member of rank >= micro_batches would compute no micro-batch, and its controls (the lead's
+    offered registration, a replacement waiting) travel in its first row: never summed."""
+    from ray_resilient.survivors.exchange import MicroBatchExchange
+
+    exact = torch.zeros(4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"micro_batches \(2\) must be at least the replicas \(3\)"):
+        MicroBatchExchange(4, 2, exact, replicas=3, dtype=torch.float32)
+    assert MicroBatchExchange(4, 3, exact, replicas=3, dtype=torch.float32).rows(3).shape == (1, 4)

@@ -452,6 +452,19 @@ def test_the_librarys_own_long_waits_are_progress(tmp_path):
     progress.close()
 
 
+def test_the_librarys_own_progress_reaches_a_listener_while_it_listens():
+    """How a survivor-mode replica restoring from storage tells the others waiting that it gets on
+    (no watchdog there): every :func:`note_progress` inside, none after."""
+    from ray_resilient.watchdog.progress import listening_to_progress, note_progress
+
+    heard: list[int] = []
+    with listening_to_progress(lambda: heard.append(1)):
+        note_progress()
+        note_progress()
+    note_progress()
+    assert heard == [1, 1]
+
+
 def test_a_failing_progress_source_leaves_the_heartbeat_going():
     """A source of progress that raises is dropped with a warning: the reporter thread goes on
     beating (had it died, its connection would close and the watchdog stop watching the rank)."""

@@ -23,6 +23,10 @@ state is left (the source died while copying, or every member died while replace
 next membership restores from storage: its source reads the newest complete checkpoint, under a new
 attempt number, and the others copy from it, so committed checkpoints are never written over. The
 first membership of a worker group starts that way too, so that every replica starts from one read.
+Each process says, as it joins, the newest checkpoint Ray had registered when it started: the
+membership that takes replacements in carries it, and so does :meth:`MembershipCoordinator.wait_for_every_replica`
+at the run's end (the lead offers again the registrations Ray dropped when it replaced a replica).
+A lead lost at the run's end before :meth:`MembershipCoordinator.finish` leaves the others to re-form.
 
 Two members that reach the coordinator but not each other (a partition between their nodes) fail
 to form every group they are both in, while the others form it: once such a pair alone failed
@@ -38,6 +42,7 @@ import dataclasses
 import datetime
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -72,6 +77,7 @@ class Membership:
     behind: tuple[int, ...]  # members (replacements included) that copy the source's state
     from_storage: bool = False  # the source restores the newest complete checkpoint first (none holds state)
     finished: bool = False
+    ray_registered: int | None = None  # the newest step Ray had registered as the processes taken in started
 
     def rank(self, member: int) -> int:
         return self.members.index(member)
@@ -121,6 +127,7 @@ class MembershipCoordinator:
         self._tokens: dict[int, str] = {}  # replica id -> token of the current membership's members
         self._reports: dict[str, Report] = {}  # token -> its report, for the membership being changed
         self._joiners: dict[int, str] = {}  # replica id -> token of replacements waiting
+        self._ray_registered: dict[str, int] = {}  # joiner's token -> Ray's newest registered step at its start
         self._finished_step: int | None = None
         self._final_error: str | None = None  # the lead's final save failed
         self._final_registrations: list[int] = []  # the steps of the checkpoints every replica registers at the end
@@ -154,12 +161,14 @@ class MembershipCoordinator:
             self._changed.notify_all()
         logger.warning("Replica %s (%s) is gone: it %s", replica, token, how)
 
-    async def join(self, replica: int, token: str) -> Membership:
-        """A replica process starting: the first membership, or the next one that takes it in."""
+    async def join(self, replica: int, token: str, ray_registered: int) -> Membership:
+        """A replica process starting, which found ``ray_registered`` the newest step Ray had
+        registered (``get_checkpoint()``): the first membership, or the next one that takes it in."""
         async with self._changed:
             await self._changed.wait_for(lambda: token in self._connected)
             if self._finished_step is not None:
                 return self._finished_membership()
+            self._ray_registered[token] = ray_registered
             if self._current is None:  # the worker group's first start: all replicas together
                 self._joiners[replica] = token
                 if len(self._joiners) == self._replicas:
@@ -170,6 +179,7 @@ class MembershipCoordinator:
             self._joiners[replica] = token
             self._store.set(JOINERS_KEY, "1")
             self._form_if_abandoned()
+            self._changed.notify_all()  # a lead waiting for every replica at the run's end
             try:
                 await asyncio.wait_for(self._changed.wait_for(
                     lambda: self._current.epoch > epoch or self._finished_step is not None), JOIN_TIMEOUT_S)
@@ -218,28 +228,33 @@ class MembershipCoordinator:
             self._final_metrics = dict(metrics or {})
             self._changed.notify_all()
 
-    async def wait_for_every_replica(self, timeout_s: float) -> bool:
-        """Wait until a process of every replica id is connected (Ray started the replacements of
-        the lost ones, so every worker of its group can meet at its report barrier); False after
-        ``timeout_s``."""
+    async def wait_for_every_replica(self, timeout_s: float) -> tuple[bool, int | None]:
+        """Wait until a process of every replica id is up, a member's or a replacement's that joined
+        (Ray started the replacements of the lost ones, so every worker of its group can meet at its
+        report barrier): whether so within ``timeout_s``, and the newest step Ray had registered as
+        the replacements waiting started (None: none waits)."""
+        def up() -> set[int]:
+            return {replica for replica, token in [*self._tokens.items(), *self._joiners.items()]
+                    if token in self._connected}
+
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(
-                    lambda: set(self._connected.values()) >= set(range(self._replicas))), timeout_s)
-                return True
+                await asyncio.wait_for(self._changed.wait_for(lambda: up() >= set(range(self._replicas))), timeout_s)
+                everyone = True
             except asyncio.TimeoutError:
-                return False
+                everyone = False
+            return everyone, self._newest_registered(self._joiners.values())
 
-    async def wait_finished(self) -> tuple[str | None, list[int], dict[str, Any]]:
+    async def wait_finished(self) -> tuple[str | None, list[int], dict[str, Any]] | None:
         """A member past the last step (or a replacement that joined after it) waits for the lead's
-        :meth:`finish`: its error, if any (also when the lead is lost before it), the steps of the
-        checkpoints to register and the final metrics."""
+        :meth:`finish`: its error, if any, the steps of the checkpoints to register and the final
+        metrics; None when the lead is lost before it (the members left re-form, and their new lead
+        finishes the run)."""
         async with self._changed:
-            lead = self._current.lead
-            token = self._tokens.get(lead)
+            token = self._tokens.get(self._current.lead)
             await self._changed.wait_for(lambda: self._finished_step is not None or token not in self._connected)
             if self._finished_step is None:
-                return f"the lead replica {lead} was lost before its final checkpoint was durable", [], {}
+                return None
             return self._final_error, self._final_registrations, self._final_metrics
 
     def _all_reported(self) -> bool:
@@ -262,14 +277,20 @@ class MembershipCoordinator:
                                   tuple(joiners))
         if current is None:
             return
-        self._current = current
-        self._tokens, self._reports, self._joiners = {**reported, **joiners}, {}, {}
+        ray_registered = self._newest_registered(joiners.values())
+        self._current = dataclasses.replace(current, ray_registered=ray_registered)
+        self._tokens, self._reports, self._joiners, self._ray_registered = {**reported, **joiners}, {}, {}, {}
         self._store.delete_key(JOINERS_KEY)
         before = set(old.members) if old is not None else set()
         logger.info("Membership %d: replicas %s from %s (lost %s, joined %s)", current.epoch, current.members,
                     "storage" if current.from_storage else f"step {current.step} of replica {current.source}",
                     sorted(before - set(current.members)), sorted(set(current.members) - before))
         self._changed.notify_all()
+
+    def _newest_registered(self, tokens: Iterable[str]) -> int | None:
+        """The newest step Ray had registered as the processes of ``tokens`` started (None: none):
+        the one started last saw the most."""
+        return max((self._ray_registered[token] for token in tokens if token in self._ray_registered), default=None)
 
     def _without_a_partitioned_member(self, reported: dict[int, str]) -> dict[int, str]:
         """``reported`` less one member of a pair that alone failed to form the group

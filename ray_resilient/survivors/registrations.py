@@ -8,7 +8,8 @@ lead passes the checkpoint, the others none (:func:`~ray_resilient.checkpoint.re
 
 The reports run in order on a thread of each replica's own: a replica lost while the others wait
 at Ray's barrier stalls no step. Ray resets that barrier when it replaces the lost replica, and the
-waiting reports are skipped (Ray logs it); the next registration covers for them.
+waiting reports are skipped (Ray logs it), as are those not yet consolidated; the lead offers them
+again once the replacement is taken in (:mod:`.replicas`).
 """
 
 from __future__ import annotations

@@ -38,15 +38,22 @@ one-rank job; they are the safety net for losing every replica holding state, or
 Once durable, they are registered with Ray (:mod:`.registrations`: ``Result.checkpoint``,
 ``get_checkpoint()``, ``CheckpointConfig.num_to_keep``) at the next step every replica trains,
 or at the run's end once a process of every replica is up (a replacement Ray started after the
-last step registers them with the others).
+last step registers them with the others). Ray drops the registrations waiting at its report
+barrier when it replaces a replica: the replacement says which checkpoint Ray had as it started
+(its ``get_checkpoint()``), and the lead offers those after it again. A lead lost at the end,
+before the others learned that the run finished, leaves them to re-form: their new lead finishes
+(the lost lead's final checkpoint counts once durable).
 A worker group starts with one replica restoring the newest complete checkpoint and the others
 copying from it, so every replica starts from one read; a membership left without a replica
-holding state starts the same way.
+holding state starts the same way. The others wait for that read as long as it gets on; a reader
+that makes no progress for :data:`RESTORE_STALL_TIMEOUTS` x ``timeout_s`` (a read stuck) counts
+as lost, and the others re-form.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import threading
@@ -81,12 +88,15 @@ from ray_resilient.survivors.liveness import LivenessLink
 from ray_resilient.survivors.registrations import Registrations
 from ray_resilient.survivors.state_copy import receive_state, send_state
 from ray_resilient.tracking import MetricsLogger, resolve_metrics_logger
+from ray_resilient.watchdog.progress import listening_to_progress
 
 logger = logging.getLogger(__name__)
 
 LossOf = Callable[[int, int], torch.Tensor]
 LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
 MAX_REFORMS_WITHOUT_A_STEP = 10  # then the replica fails instead of re-forming again (no livelock)
+RESTORE_STALL_TIMEOUTS = 10  # x timeout_s: a source restoring without progress that long is taken as lost
+RESTORE_PROGRESS_EVERY_S = 1.0  # how often a source restoring from storage tells the others it gets on
 
 
 class MicroBatchSource(Protocol):
@@ -98,6 +108,16 @@ class MicroBatchSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def restored_key(epoch: int) -> str:
+    """Set once the source of membership ``epoch`` restored from storage."""
+    return f"membership{epoch}/restored"
+
+
+def restore_progress_key(epoch: int) -> str:
+    """The progress the source of membership ``epoch`` made restoring from storage (a count)."""
+    return f"membership{epoch}/restore_progress"
 
 
 def lead_step_key(epoch: int) -> str:
@@ -137,7 +157,8 @@ class SurvivingReplicas:
     Args:
         model, optimizer, lr_scheduler: the replica's (not wrapped in DDP: gradients, and the
             buffers the forward pass changes, are reduced here).
-        micro_batches: micro-batches per global batch (the replicas at start, or a multiple).
+        micro_batches: micro-batches per global batch: at least the replicas (ValueError), best
+            a multiple of them.
         data: the volume's loader: each step it is given the micro-batches this replica computes
             under the current membership (:meth:`~ray_resilient.data.VolumeDataLoader.assign_micro_batches`),
             and its position goes into the lead's checkpoints.
@@ -147,12 +168,14 @@ class SurvivingReplicas:
             ``interval_steps``): every this many steps, ``"auto"`` (Daly's interval for the job's
             ``mtbf_s`` from the lead's measured save stall and step time), or None: only the final one.
         faults: a fault plan (:mod:`ray_resilient.faults`; a fault's rank is the replica): ``step``
-            faults fire after a step is applied, ``copy`` in a replica sending its state, the
-            others in the lead's checkpoint writes.
+            faults fire after a step is applied, ``copy`` in a replica sending its state,
+            ``register`` as a replica registers a checkpoint with Ray, ``restore`` in a membership's
+            source restoring from storage, the others in the lead's checkpoint writes.
         timeout_s: how long a collective waits on a connection that carries nothing while every
             replica still sends its heartbeats (a partition between two replicas); a replica that
             stops answering altogether is dropped sooner (:mod:`.liveness`). Work the lead alone
-            does between steps is not bounded by it (see the module docstring).
+            does between steps is not bounded by it (see the module docstring); a restore from
+            storage that makes no progress is, by :data:`RESTORE_STALL_TIMEOUTS` times it.
         save_timeout_s: as ``Checkpointer``'s: a save still writing this long makes the due saves fail.
         lease_ttl_s: as ``Checkpointer``'s: how long the run's lease may go unrenewed before a
             driver started again takes it over.
@@ -194,12 +217,13 @@ class SurvivingReplicas:
         for buffer, size in zip(self._buffers, self._buffer_sizes):
             exact[offset:offset + size] = not buffer.is_floating_point()
             offset += size
-        self._exchange = MicroBatchExchange(row, micro_batches, exact)
-        self._data = data
-        self._components = TrainingComponents(model, optimizer, lr_scheduler, data=data)
         ctx = ray.train.get_context()
         self.replica = ctx.get_world_rank()
         self._replicas = ctx.get_world_size()
+        gradients = functools.reduce(torch.promote_types, (p.dtype for p in self._params))  # not the default dtype
+        self._exchange = MicroBatchExchange(row, micro_batches, exact, replicas=self._replicas, dtype=gradients)
+        self._data = data
+        self._components = TrainingComponents(model, optimizer, lr_scheduler, data=data)
         self._token = f"{self.replica}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._storage = CheckpointStorage.from_ray_context()
         self._faults = FaultInjector.from_plan(faults, self.replica, self._storage.filesystem,
@@ -213,8 +237,10 @@ class SurvivingReplicas:
         self._last_durable_seconds = 0.0  # how long the lead's newest durable save took to be durable
         self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
         self._durable_step = -1  # the step of the lead's newest durable save
-        self._registered_step = _step_of(ray.train.get_checkpoint())  # the newest registered with Ray
-        self._unregistered: deque[tuple[int, str]] = deque()  # the lead's durable (step, path) Ray lacks
+        self._registered_step = _step_of(ray.train.get_checkpoint())  # the newest offered to Ray
+        self._ray_step = self._registered_step  # the newest Ray had as a process of this run last started
+        self._unregistered: deque[tuple[int, str]] = deque()  # the lead's durable (step, path) not offered yet
+        self._offered: deque[tuple[int, str]] = deque()  # the lead's offered since _ray_step (Ray may skip them)
         self._registrations = Registrations(self._storage.filesystem)
         self._membership: Membership | None = None
         self._group: Any = None
@@ -235,7 +261,7 @@ class SurvivingReplicas:
         self._store = dist.TCPStore(host, store_port, is_master=False, timeout=self.timeout)
         self._node_ip = ray.util.get_node_ip_address()
         self._live = LivenessLink(host, live_port, self.replica, self._token)
-        membership = ray.get(self._coordinator.join.remote(self.replica, self._token))
+        membership = ray.get(self._coordinator.join.remote(self.replica, self._token, self._registered_step))
         if membership.finished:
             self.step, self.finished = membership.step, True
             return self
@@ -336,7 +362,7 @@ class SurvivingReplicas:
         trains; 0: none), and whether a replacement waits (rank 0 looks)."""
         rank, size = self._membership.rank(self.replica), self.world_size
         rows = self._exchange.rows(size)
-        controls = torch.zeros(CONTROLS)
+        controls = torch.zeros(CONTROLS, dtype=torch.int64)
         if self._data is not None:
             self._data.assign_micro_batches(self.step, rank, size, self.micro_batches)
         with torch.no_grad():
@@ -361,7 +387,7 @@ class SurvivingReplicas:
         if self.is_lead and self._unregistered and self.world_size == self._replicas:
             controls[0] = 1 + self._unregistered[0][0]
         if rank == 0 and self._store.check([JOINERS_KEY]):
-            controls[1] = 1.0
+            controls[1] = 1
         return controls
 
     def _set_buffers(self, values: list[torch.Tensor]) -> None:
@@ -370,11 +396,11 @@ class SurvivingReplicas:
                 buffer.copy_(value)
 
     def _apply(self, reduced: torch.Tensor) -> float:
-        """Step with the exchange's mean gradient (a view of it where the parameter is on the host)
-        and move the buffers by the mean of their change (integer ones by micro-batch 0's)."""
+        """Step with the exchange's mean gradient (a view of it where the parameter is on the host, of
+        the rows' dtype) and move the buffers by the mean of their change (integer ones by micro-batch 0's)."""
         offset = 0
         for param, size in zip(self._params, self._sizes):
-            param.grad = reduced[offset:offset + size].view_as(param).to(param.device)
+            param.grad = reduced[offset:offset + size].view_as(param).to(param.device, param.dtype)
             offset += size
         with torch.no_grad():
             for buffer, size in zip(self._buffers, self._buffer_sizes):
@@ -406,16 +432,14 @@ class SurvivingReplicas:
         False when a replica was lost while its group formed."""
         previous, self._membership = self._membership, membership
         started = time.time()
-        restored = f"membership{membership.epoch}/restored"
+        if membership.ray_registered is not None:
+            self._offer_skipped_again(membership.ray_registered)
         if membership.from_storage and membership.source == self.replica:
             self._restore_from_storage()
-            self._store.set(restored, "1")
+            self._store.set(restored_key(membership.epoch), "1")
         try:
-            # The others form the group once the source has restored (taking over a dead driver's
-            # lease alone can take its TTL): a group's formation times out, this wait does not.
-            while membership.from_storage and not self._store.check([restored]):
-                self._raise_if_lost()
-                time.sleep(LOST_POLL_S)
+            if membership.from_storage:
+                self._wait_for_the_restore()
             self._enter(membership, previous, started)
             return True
         except RuntimeError as err:  # gloo's error, ReplicaLostError or FormationError
@@ -456,6 +480,25 @@ class SurvivingReplicas:
             self._record(EventKind.MEMBERSHIP, step=self.step, world_size=len(membership.members),
                          lost=sorted(set(previous.members) - set(membership.members)),
                          joined=sorted(set(membership.members) - set(previous.members)))
+
+    def _wait_for_the_restore(self) -> None:
+        """Wait until the membership's source restored from storage, however long that takes while
+        it gets on (taking over a dead driver's lease alone can take its TTL; a group's formation
+        would time out): :class:`ReplicaLostError` once it made no progress (its reads, its lease's
+        watch) for :data:`RESTORE_STALL_TIMEOUTS` x ``timeout_s`` (a read stuck), or a member is lost."""
+        epoch = self._membership.epoch
+        allowance = RESTORE_STALL_TIMEOUTS * self.timeout.total_seconds()
+        progress, since = -1, time.monotonic()
+        while True:
+            self._raise_if_lost()
+            if self._store.check([restored_key(epoch)]):
+                return
+            if (now := self._store.add(restore_progress_key(epoch), 0)) != progress:
+                progress, since = now, time.monotonic()
+            elif time.monotonic() - since > allowance:
+                raise ReplicaLostError(f"replica {self._membership.source} made no progress restoring from storage "
+                                       f"for {allowance:.0f} s")
+            time.sleep(LOST_POLL_S)
 
     def _wait(self, work: Any) -> None:
         """Wait for a collective of this membership; :class:`ReplicaLostError` as soon as the
@@ -517,11 +560,23 @@ class SurvivingReplicas:
 
     def _restore_from_storage(self) -> None:
         """Resume from the newest complete checkpoint, if any (else the state this process built),
-        under a new attempt number: the recomputed steps' checkpoints never take a committed name."""
+        under a new attempt number: the recomputed steps' checkpoints never take a committed name.
+        The others wait meanwhile; its progress (:func:`~ray_resilient.watchdog.progress.note_progress`)
+        tells them it gets on."""
         started = time.time()
-        plan = self._become_lead()  # the membership's source restores and leads
-        self._goodput.attempt_started(len(self._membership.members))
-        loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
+        published = 0.0
+
+        def publish_progress() -> None:  # a store round trip a second at most
+            nonlocal published
+            if time.monotonic() - published >= RESTORE_PROGRESS_EVERY_S:
+                published = time.monotonic()
+                self._store.add(restore_progress_key(self._membership.epoch), 1)
+
+        with listening_to_progress(publish_progress):
+            plan = self._become_lead()  # the membership's source restores and leads
+            self._goodput.attempt_started(len(self._membership.members))
+            self._faults.fire("restore", 0)
+            loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
         self.step = loaded[1].step if loaded is not None else 0
         self._durable_step = self.step if loaded is not None else -1
         if self._policy is not None:
@@ -536,45 +591,63 @@ class SurvivingReplicas:
         ``RunLeaseHeldError`` when another driver's run holds it) and open its checkpoints: this
         replica reads, writes and deletes them, and records the run's progress, from here on. The
         complete checkpoints Ray lacks (a lost lead's, or the one about to be restored) are
-        registered at the next chance."""
+        registered at the next chance; those a lost lead offered are offered again if Ray skipped them."""
         registered = ray.train.get_checkpoint()
         plan = self._session.open(registered.path if registered is not None else None)
         self._attempt = plan.attempt  # the lease's new generation: a lost lead's names are never reused
         if plan.candidates and plan.candidates[0].step == self.step:  # a lost lead made this step durable
             self._durable_step = self.step
         self._storage.clear_local_staging()
-        self._unregistered.extend((c.step, c.path) for c in reversed(plan.candidates) if c.step > self._registered_step)
+        newer = [(c.step, c.path) for c in reversed(plan.candidates) if c.step > self._ray_step]  # oldest first
+        self._offered = deque(entry for entry in newer if entry[0] <= self._registered_step)  # by a lost lead
+        self._unregistered = deque(entry for entry in newer if entry[0] > self._registered_step)
         self._goodput = GoodputRecorder(self._storage, 0, log_every=self._goodput_log_every,
                                         metrics_logger=self._goodput_logger)
         return plan
 
     def _finish(self) -> None:
         """The run's end: the lead's final checkpoint durable (:class:`CheckpointSaveError` if it
-        cannot be made so, on every replica), the others waiting for it; then every replica
-        registers the checkpoints Ray lacks, the final one last, once a process of every replica
-        is up: a replacement Ray started after the last step (:attr:`finished` when it joined)
-        registers them with the others."""
-        if self.is_lead and not self.finished:
-            try:
-                self._final_save()
-            except CheckpointSaveError as err:
-                ray.get(self._coordinator.finish.remote(self.step, str(err), []))
-                raise
-            # By the connections, not the membership: a replica killed after the last step is still a member.
-            everyone = ray.get(self._coordinator.wait_for_every_replica.remote(FINAL_REPLACEMENT_WAIT_S))
-            metrics = {**self.result_metrics, **self._goodput.metrics()}
-            self._goodput.finished(self.step)
-            to_register = [step for step, _ in self._unregistered] if everyone else []
-            if not everyone and self._unregistered:
-                logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: a replica "
-                               "was still missing %.0f s after the end", self.step, FINAL_REPLACEMENT_WAIT_S)
-            ray.get(self._coordinator.finish.remote(self.step, None, to_register, metrics))
-        error, to_register, metrics = ray.get(self._coordinator.wait_finished.remote())
+        cannot be made so, on every replica), the others waiting for it (a lead lost before it
+        finished: they re-form, and their new lead finishes); then every replica registers the
+        checkpoints Ray lacks, the final one last, once a process of every replica is up: a
+        replacement Ray started after the last step (:attr:`finished` when it joined) registers
+        them with the others."""
+        while True:
+            if self.is_lead and not self.finished:
+                self._finish_as_lead()
+            outcome = ray.get(self._coordinator.wait_finished.remote())
+            if outcome is not None:
+                break
+            # The lead was lost before it finished: the replicas left (all past the last step) re-form,
+            # and their new lead finishes (its final checkpoint may already be durable).
+            self._change_membership()
+        error, to_register, metrics = outcome
         if error is not None:
             raise CheckpointSaveError(error)
         for step in to_register:
             self._register(step, metrics if step == to_register[-1] else None)
         self.finished = True
+
+    def _finish_as_lead(self) -> None:
+        """The lead's part of :meth:`_finish`: the final checkpoint durable, a process of every
+        replica up, then the coordinator told the checkpoints to register (the final one last)."""
+        try:
+            self._final_save()
+        except CheckpointSaveError as err:
+            ray.get(self._coordinator.finish.remote(self.step, str(err), []))
+            raise
+        # By the connections, not the membership: a replica killed after the last step is still a member,
+        # and its replacement waits to join.
+        everyone, ray_registered = ray.get(self._coordinator.wait_for_every_replica.remote(FINAL_REPLACEMENT_WAIT_S))
+        if ray_registered is not None:
+            self._offer_skipped_again(ray_registered)
+        metrics = {**self.result_metrics, **self._goodput.metrics()}
+        self._goodput.finished(self.step)
+        to_register = [step for step, _ in self._unregistered] if everyone else []
+        if not everyone and self._unregistered:
+            logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: a replica "
+                           "was still missing %.0f s after the end", self.step, FINAL_REPLACEMENT_WAIT_S)
+        ray.get(self._coordinator.finish.remote(self.step, None, to_register, metrics))
 
     def _final_save(self) -> None:
         """Save the last step (unless saved) and wait until it is durable. The state is still in
@@ -609,14 +682,26 @@ class SurvivingReplicas:
     def _register(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         """This replica's part of registering the lead's durable checkpoint of ``step`` with Ray
         (every replica calls it at the same point), reported with ``metrics``."""
+        self._faults.fire("register", step)
         path = None
         if self.is_lead:
             offered, path = self._unregistered.popleft()
             assert offered == step, (offered, step)
+            self._offered.append((offered, path))
         self._registered_step = step
         self._registrations.submit({**(metrics or {}), "step": step}, path)
         if self._goodput is not None:
             self._goodput.registered(step)
+
+    def _offer_skipped_again(self, ray_registered: int) -> None:
+        """Ray had registered the checkpoints up to step ``ray_registered`` as the processes just
+        taken in started: it skipped the registrations offered after it (it resets its report barrier
+        when it replaces a replica, and drops the reports waiting there). The lead offers them again, first."""
+        if self.is_lead:
+            self._unregistered.extendleft(reversed([entry for entry in self._offered if entry[0] > ray_registered]))
+            self._offered.clear()
+        self._ray_step = ray_registered
+        self._registered_step = min(self._registered_step, ray_registered)
 
     def _record(self, kind: EventKind, **fields: Any) -> None:
         """A ledger event of the run's progress, recorded by the lead only."""

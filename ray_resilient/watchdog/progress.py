@@ -21,7 +21,8 @@ length that keeps ticking is never a hang, and a rank hung inside a long step is
 as in a short one. Asked for it, the thread sends the training thread's Python stack.
 :meth:`ProgressReporter.close` says goodbye: done, or failing (the watchdog then stops judging the
 attempt, which Ray restarts); a forked child (a DataLoader worker) closes its copy of the
-connection, so that a rank that dies is seen gone at once.
+connection, so that a rank that dies is seen gone at once. The library's own progress
+(:func:`note_progress`) also reaches listeners, where no watchdog looks (survivor mode's restore).
 """
 from __future__ import annotations
 
@@ -252,14 +253,29 @@ class ProgressReporter:
 
 
 _REPORTERS: weakref.WeakSet[ProgressReporter] = weakref.WeakSet()
+_LISTENERS: list[Callable[[], None]] = []
 
 
 def note_progress() -> None:
     """Progress of this process's rank, from wherever a long piece of the library's own work gets
     on (a file verified, a chunk fetched, a lease polled), on any thread: a tick of every reporter
-    of the process (none: nothing)."""
+    of the process (none: nothing), and a call of every listener (:func:`listening_to_progress`)."""
     for reporter in list(_REPORTERS):
         reporter.tick()
+    for listener in list(_LISTENERS):
+        listener()
+
+
+@contextmanager
+def listening_to_progress(listener: Callable[[], None]) -> Iterator[None]:
+    """Call ``listener`` at every :func:`note_progress` of this process while inside, on the thread
+    that made the progress: how work that another process waits on shows it is getting on where no
+    watchdog looks (survivor mode's restore from storage)."""
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)
 
 
 def _close_in_forked_child() -> None:
