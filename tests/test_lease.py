@@ -301,6 +301,17 @@ def test_a_store_that_rejects_conditional_writes_falls_back_to_the_read_back_pro
     assert lease.read_record().run_id == "run-b" and list_generations(filesystem, path) == [0, 1]
 
 
+def test_a_taker_whose_writes_keep_outlasting_settle_s_stops_instead_of_trying_for_ever(s3_server, tmp_path):
+    """Without exclusive creation, every take whose write took longer than ``settle_s`` is given up
+    (it could let a second driver go on): after a few in a row, ``acquire`` says why it stopped."""
+    filesystem, path = s3_server.filesystem(), f"{s3_server.bucket}/{tmp_path.name}/run"
+    filesystem.create_dir(path)
+    taker = RunLease(filesystem, path, "run-a", **{**FAST, "settle_s": 0.0}, conditional_writes=False)
+    with pytest.raises(RunLeaseHeldError, match="3 takes were given up.*longer than settle_s=0s"):
+        taker.acquire()
+    assert list_generations(filesystem, path) == [0, 1, 2]  # each given up after its TTL, none taken
+
+
 @pytest.mark.parametrize("holder_ttl_s, taker_ttl_s", [(2.0, 30.0), (3600.0, 2.0)])
 def test_a_taker_watches_a_lease_for_the_ttl_its_holder_declared(run_dir, caplog, holder_ttl_s, taker_ttl_s):
     """A dead holder that declared a short TTL is taken over after it, not after the taker's longer

@@ -21,7 +21,8 @@ taker reads its file back ``settle_s`` after writing it, and gives up a take who
 more than ``settle_s`` after the listing that found the generation free: if two takers both read
 back their own record, the one whose write landed second must have taken longer than that, so at
 most one goes on, whatever the write latency (reads and listings must be strongly consistent, as
-on S3 and GCS; ``settle_s`` must exceed a usual write's latency, or every take is given up).
+on S3 and GCS; ``settle_s`` must exceed a usual write's latency: after :data:`GIVEN_UP_TAKES`
+takes given up in a row, :class:`RunLeaseHeldError` says so).
 ``RAY_RESILIENT_CONDITIONAL_WRITES=0`` skips the conditions (and their probe) on S3.
 
 **Taking over.** A restarted attempt of the same run (Ray Train's run id is the same in every
@@ -60,6 +61,7 @@ RENEWALS_PER_TTL = 6  # the holder renews every ttl_s / 6 by default
 SETTLE_S = 0.5  # a new holder reads its lease back this long after writing it (where creation is not exclusive)
 MAX_FOREIGN_TTL_S = 3600.0  # the longest another run's lease is watched, whatever TTL it declares
 KEPT_GENERATIONS = 2  # a new holder deletes the files of older generations
+GIVEN_UP_TAKES = 3  # takes given up in a row (writes slower than settle_s) before acquire() stops trying
 FAILED_RENEWALS_TO_ESCALATE = 3  # renewals failing this many times in a row are logged as errors
 CONDITIONAL_WRITES_ENV = "RAY_RESILIENT_CONDITIONAL_WRITES"  # "0": no If-None-Match on S3
 
@@ -206,6 +208,13 @@ class RunLease:
             generation = max(newest, after) + 1
             if self._take(generation, listed_at):
                 break
+            if len(self._abandoned) >= GIVEN_UP_TAKES:
+                raise RunLeaseHeldError(
+                    f"could not take the lease of the run directory {self.experiment_path}: {len(self._abandoned)} "
+                    f"takes were given up, each because writing its file took longer than settle_s="
+                    f"{self.settle_s:g}s (on storage without exclusive creation a slower write could let two "
+                    "drivers go on). Is the storage overloaded? Where it supports exclusive creation, let the lease "
+                    f"use it (unset {CONDITIONAL_WRITES_ENV}).")
         self.generation, self.lost = generation, None
         self._prune(generation)
         self._thread = threading.Thread(target=self._renew, name="ray_resilient_lease", daemon=True)
