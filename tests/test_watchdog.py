@@ -112,6 +112,19 @@ RANK = textwrap.dedent("""
             time.sleep(0.05)
             progress.step(step)
         time.sleep(3.5)
+    elif mode == "holds_the_gil":  # a 5 s C call holding Python's GIL: its heartbeat thread cannot send
+        import math, re
+        re.match(r"(a+)+$", "a" * 16 + "b")  # backtracking: twice as long for every "a" more
+        started = time.monotonic()
+        re.match(r"(a+)+$", "a" * 21 + "b")
+        unit = max(time.monotonic() - started, 1e-4)
+        for step in range(4):  # steps of 1 s without progress inside: 10 s allowed without progress
+            time.sleep(1.0)
+            progress.step()
+        started = time.monotonic()
+        re.match(r"(a+)+$", "a" * (21 + max(0, round(math.log2(5.0 / unit)))) + "b")
+        print(f"held {time.monotonic() - started:.1f}", flush=True)
+        progress.step()
     elif mode == "starved":  # steps on until the test has starved it (stopped it now and then) and says so
         while not os.path.exists(sys.argv[7]):
             time.sleep(0.05)
@@ -314,6 +327,23 @@ def test_a_pause_at_a_fixed_step_costs_one_restart_not_a_crash_loop(ray_cluster,
             ray.kill(watchdog)
     hang, = [e for e in read_events(pafs.LocalFileSystem(), storage.experiment_path) if e["kind"] == "hang"]
     assert hang["step"] == 9
+
+
+def test_a_rank_whose_long_c_call_holds_the_gil_is_alive_not_stopped(ray_cluster, tmp_path):
+    """Its heartbeats stop for about 5 s (over twice the silence allowed on a quiet machine) while its
+    process runs: the watchdog sees it runnable on its node and judges its progress instead (its
+    1 s steps allow 10 s): nothing is declared, and it trains on to the end."""
+    watchdog = HangWatchdog.remote(run_storage(tmp_path))
+    rank = start_ranks(watchdog, ["holds_the_gil"])["holds_the_gil"]
+    try:
+        held = rank.stdout.readline()
+        assert held.startswith("held "), ray.get(watchdog.declared.remote())
+        assert float(held.split()[1]) >= 3.0, held  # silent for 1.5 x the floor
+        assert rank.stdout.readline() == "done\n" and rank.wait(timeout=60) == 0
+        assert ray.get(watchdog.declared.remote()) == []
+    finally:
+        rank.kill()
+        ray.kill(watchdog)
 
 
 def test_silence_is_judged_against_the_heartbeat_gaps_of_the_run(ray_cluster, tmp_path):

@@ -50,7 +50,9 @@ from dataclasses import asdict, dataclass
 import pyarrow.fs as pafs
 
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
-from ray_resilient.storage.conditional import AlreadyExists, ConditionsRejected, exclusive_create_for
+from ray_resilient.storage.conditional import (
+    AlreadyExists, ConditionsRejected, ExclusiveCreate, exclusive_create_for,
+)
 from ray_resilient.watchdog.progress import note_progress
 
 logger = logging.getLogger(__name__)
@@ -140,11 +142,14 @@ class RunLease:
     Args:
         conditional_writes: create generations with ``If-None-Match`` on S3 (default: unless
             ``RAY_RESILIENT_CONDITIONAL_WRITES=0``).
+        exclusive: the conditional requests' client (default: signed requests to the endpoint of
+            ``filesystem``, an S3 one).
     """
 
     def __init__(self, filesystem: pafs.FileSystem, experiment_path: str, run_id: str, *,
                  ttl_s: float = TTL_S, renew_every_s: float | None = None, settle_s: float = SETTLE_S,
-                 clock: Callable[[], float] = time.time, conditional_writes: bool | None = None):
+                 clock: Callable[[], float] = time.time, conditional_writes: bool | None = None,
+                 exclusive: ExclusiveCreate | None = None):
         if renew_every_s is None:
             renew_every_s = ttl_s / RENEWALS_PER_TTL
         if not 0 < renew_every_s < ttl_s:
@@ -161,7 +166,7 @@ class RunLease:
         self.generation: int | None = None  # the generation this object took last
         self.lost: str | None = None  # why this holder lost the lease
         self._local = isinstance(filesystem, pafs.LocalFileSystem)
-        self._exclusive = exclusive_create_for(filesystem) if conditional_writes else None
+        self._exclusive = (exclusive or exclusive_create_for(filesystem)) if conditional_writes else None
         self._enforced: bool | None = None  # whether the store enforces the condition (probed once)
         self._token = ""
         self._abandoned: set[int] = set()  # generations this object wrote but did not take

@@ -99,7 +99,7 @@ class LedgerWriter:
             self._path = os.path.join(storage.local_dir, f"ledger-{self.process}.jsonl")
         else:
             self._path = f"{self._directory}/{self.process}.jsonl"
-        self._fd: int | None = None  # the spool, opened at the first record
+        self._fd: int | None = None  # the spool: opened now, so that each process's file exists from its start
         self._size = 0  # the spool's bytes of whole events
         self.spool_errors = 0  # events lost: the spool could not be written (a full disk)
         self._lock = threading.Lock()  # the spool file, for record()
@@ -108,6 +108,8 @@ class LedgerWriter:
         self._objects: list[tuple[int, int, int]] = []  # uploaded (start, end, size class), oldest first
         self._stop = threading.Event()
         self._uploader = None
+        with contextlib.suppress(OSError):  # a full disk: opened at the first record, or its loss counted
+            self._open()
         if self._remote:
             self._uploader = threading.Thread(target=self._upload_every, args=(upload_seconds,), daemon=True,
                                               name="ray_resilient_ledger_upload")
@@ -130,8 +132,7 @@ class LedgerWriter:
     def _append(self, line: bytes) -> None:
         """Write ``line`` at the spool's end; a part of it written before an error is cut off again."""
         if self._fd is None:
-            os.makedirs(os.path.dirname(self._path), exist_ok=True)
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._open()
         try:
             written = 0
             while written < len(line):
@@ -141,6 +142,10 @@ class LedgerWriter:
                 os.ftruncate(self._fd, self._size)  # else the torn line is skipped by readers
             raise
         self._size = os.lseek(self._fd, 0, os.SEEK_CUR)
+
+    def _open(self) -> None:
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def _lost(self, error: OSError) -> None:
         self.spool_errors += 1

@@ -8,8 +8,11 @@ that rank: any other connection is refused. The watchdog judges two ways:
 - **Silent.** A connected rank whose heartbeats stopped (the process stopped, its node lost) is
   declared once its silence exceeds the :class:`~.silence.SilenceRule` of this attempt's
   heartbeats: 2 s on a quiet machine, more where a loaded one starves live processes (a starved
-  process is late, not silent). The watchdog skips a round when its own loop ran late: heartbeats
-  may be waiting unread.
+  process is late, not silent). A silent rank on the watchdog's node whose process is runnable or
+  used CPU since last looked at (``/proc``: starved of CPU, or its training thread holding Python's
+  GIL in a long C call, so that its heartbeat thread cannot run) is alive, not stopped: it is
+  judged by its progress, as below. The watchdog skips a round when its own loop ran late:
+  heartbeats may be waiting unread.
 - **Without progress.** Once no rank's progress counter has moved for longer than the attempt's
   allowance, the attempt is hung: a stuck collective, a hung filesystem (in data-parallel training
   the others soon stall too, waiting for it; while one rank still progresses, e.g. rank 0
@@ -84,7 +87,19 @@ class _Rank:
     step: int | None = None  # the run's step it last finished
     changed: float = field(default_factory=time.monotonic)  # when its progress last moved
     heard: float = field(default_factory=time.monotonic)  # when it last sent anything
+    cpu_ticks: int | None = None  # its process's CPU time when last looked at while silent
     stack: asyncio.Future | None = None
+
+
+def _cpu_state(pid: int) -> tuple[bool, int] | None:
+    """Whether process ``pid`` of this node is runnable, and its CPU time in ticks; None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            stat = stream.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # from the state on: its name may hold spaces
+    return fields[0] == "R", int(fields[11]) + int(fields[12])  # state; utime + stime
 
 
 def watchdog_address(name: str) -> tuple[str, int, str]:
@@ -131,6 +146,7 @@ class HangWatchdog:
         self._declared: list[dict[str, Any]] = []
         self._failing: str | None = None  # why the attempt is failing: nothing is judged any more
         self._history = HangHistory(storage)
+        self._node_id = ray.get_runtime_context().get_node_id()
         self._server: asyncio.base_events.Server | None = None
         self._starting = asyncio.Lock()  # every rank calls start(), at once
         self._checker: asyncio.Task | None = None
@@ -191,7 +207,7 @@ class HangWatchdog:
                 message = json.loads(line)
                 now = time.monotonic()
                 self._silence.heard(now - rank.heard)
-                rank.heard = now
+                rank.heard, rank.cpu_ticks = now, None
                 if "stack" in message:
                     if rank.stack is not None and not rank.stack.done():
                         rank.stack.set_result(message["stack"])
@@ -225,13 +241,14 @@ class HangWatchdog:
             now = time.monotonic()
             late, last = now - last - wait > LATE_S, now
             threshold = self.silence_threshold()
-            first_silent = min((r.heard + threshold for r in self._ranks.values()), default=now + CHECK_EVERY_S)
+            first_silent = min((r.heard + threshold for r in self._ranks.values() if now - r.heard <= threshold),
+                               default=now + CHECK_EVERY_S)
             wait = min(CHECK_EVERY_S, max(0.005, first_silent - now + 0.005))
             if self._failing is not None:
                 return
             if late or not self._ranks:
                 continue
-            silent = [r for r in self._ranks.values() if now - r.heard > threshold]
+            silent = [r for r in self._ranks.values() if now - r.heard > threshold and not self._alive_here(r)]
             if silent:
                 culprit = min(silent, key=lambda r: r.heard)
                 await self._declare(culprit, now, now - culprit.changed, threshold, silent=True)
@@ -244,6 +261,19 @@ class HangWatchdog:
                 culprit = min(ranks, key=lambda r: (r.writer is not None, r.changed))
                 await self._declare(culprit, now, now - culprit.changed, allowed, silent=False)
                 return  # its death ends the attempt
+
+    def _alive_here(self, rank: _Rank) -> bool:
+        """Whether a silent rank's process runs on this node and is runnable or used CPU since last
+        looked at: alive (starved, or holding the GIL), not stopped."""
+        if rank.identity["node_id"] != self._node_id:
+            return False
+        seen = _cpu_state(rank.identity["pid"])
+        if seen is None:
+            return False
+        runnable, ticks = seen
+        used_cpu = rank.cpu_ticks is not None and ticks > rank.cpu_ticks
+        rank.cpu_ticks = ticks
+        return runnable or used_cpu
 
     def _allowance(self, rank: _Rank) -> float:
         return rank.allowance * self._history.factor(rank.step)
@@ -283,7 +313,7 @@ class HangWatchdog:
         if rank.writer is not None:
             rank.writer.close()
         try:
-            if who["node_id"] == ray.get_runtime_context().get_node_id():
+            if who["node_id"] == self._node_id:
                 _kill_rank(who["pid"])  # at once: a task may wait seconds for a worker process
             else:
                 await _kill_rank_on_its_node.options(
