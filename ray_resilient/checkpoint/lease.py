@@ -192,6 +192,7 @@ class RunLease:
         self.stop()
         self._stop = threading.Event()
         dead: tuple[int, bytes] | None = None  # a generation found unchanged for its TTL
+        given_up = 0  # takes of this call given up (writes slower than settle_s)
         while True:
             listed_at = time.monotonic()
             newest = max(list_generations(self.filesystem, self.experiment_path), default=-1)
@@ -213,9 +214,10 @@ class RunLease:
             generation = max(newest, after) + 1
             if self._take(generation, listed_at):
                 break
-            if len(self._abandoned) >= GIVEN_UP_TAKES:
+            given_up += 1
+            if given_up >= GIVEN_UP_TAKES:
                 raise RunLeaseHeldError(
-                    f"could not take the lease of the run directory {self.experiment_path}: {len(self._abandoned)} "
+                    f"could not take the lease of the run directory {self.experiment_path}: {given_up} "
                     f"takes were given up, each because writing its file took longer than settle_s="
                     f"{self.settle_s:g}s (on storage without exclusive creation a slower write could let two "
                     "drivers go on). Is the storage overloaded? Where it supports exclusive creation, let the lease "
