@@ -6,9 +6,10 @@ hook's variable (spare workers), the GCS's node table (the local test cluster), 
 variables read by Ray's C++ core and Train V2's controller, replica-group replacement
 (``has_replica_groups``, survivor mode), the callback that starts an attempt's ``DatasetManager``,
 the text of the controller's log (restart timings), the autoscaler's config schema
-(``cluster/``) and the driver's echo of worker output (the console). Nothing else in the repository (package, jobs, benchmarks, tests) touches
-``ray._private``, ``ray._raylet``, any ``_internal`` or other underscore module of Ray, or those
-DeveloperAPIs: ``tests/test_layering.py`` scans for them.
+(``cluster/``) and the driver's echo of worker output (the console). Nothing else in the
+repository (package, jobs, benchmarks, tests) touches ``ray._private``, ``ray._raylet``, any
+``_internal`` or other underscore module of Ray, or those DeveloperAPIs: ``tests/test_layering.py``
+scans for them.
 
 Each use has a test in ``tests/test_ray_internals.py`` that fails loudly when a Ray upgrade moves
 it. At run time a moved API degrades to a warning and a fallback where one exists, never an

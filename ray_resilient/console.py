@@ -21,13 +21,9 @@ FAILURE_MARK = "[failure]"  # starts the lines of the failure block (the only co
 _HOST = re.compile(r"hostname='([^']*)'")
 _PID = re.compile(r"\bpid=(\d+)")
 _EXIT_TYPE = re.compile(r"Worker exit type: (\w+)")
-
-
 # Ray Train's own actors besides the workers (Ray 2.60's class names): their output is Ray's bookkeeping.
 RAY_TRAIN_ACTORS = frozenset({"TrainController", "PlacementGroupCleaner", "PreemptionWatcher", "SynchronizationActor",
                               "DatasetManager"})
-
-
 # Ray Train's line per report, logged on a worker by a logger its log level does not reach (Ray 2.60
 # names it after the module's file, outside ``ray.train``).
 RAY_TRAIN_REPORT_LINE = "Reporting training result "

@@ -355,8 +355,9 @@ def test_a_lease_declaring_an_endless_ttl_is_watched_an_hour_at_most(tmp_path, c
         thread.start()
         wait_until(lambda: any("watching it for 3600s" in r.getMessage() for r in caplog.records), timeout=30,
                    what="the taker to watch the lease for an hour")
-        write_generation(filesystem, path, 0, "", data=b'{"run_id": "run-x", "holder": "host h pid 1", "renewed": 1.0, '
-                                                       b'"expires": 2.0, "generation": 0, "token": "t", "released": true}')
+        released = (b'{"run_id": "run-x", "holder": "h", "renewed": 1.0, "expires": 2.0, "generation": 0, '
+                    b'"token": "t", "released": true}')
+        write_generation(filesystem, path, 0, "", data=released)
         thread.join(timeout=60)  # (the test does not wait the hour: the holder's run ended)
     try:
         assert "declares a TTL of inf s" in caplog.text and taker.read_record().run_id == "run-b"

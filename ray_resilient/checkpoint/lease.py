@@ -174,11 +174,6 @@ class RunLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @property
-    def held(self) -> bool:
-        """Whether this object took the lease and keeps renewing it."""
-        return self._thread is not None
-
     def acquire(self, after: int = -1) -> int:
         """Take the next generation of the lease (above ``after``: the attempt numbers already on
         storage), and keep renewing it until :meth:`release`; returns the generation. A holder

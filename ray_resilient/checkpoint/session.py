@@ -73,7 +73,7 @@ class CheckpointSession:
         (``RunLeaseHeldError`` when another driver's run holds it), find the complete checkpoints
         (``registered_path``: Ray's, ``get_checkpoint()``) and delete the partial ones older than the
         newest complete one. On one rank (rank 0, or the lead)."""
-        listed = list_checkpoints(self.storage.filesystem, self.storage.experiment_path)
+        listed = list_checkpoints(self.storage.filesystem, self.storage.experiment_path)  # listed again once held
         attempt = self.lease.acquire(after=max((c.attempt for c in listed), default=-1))
         plan = find_complete_checkpoints(self.storage, registered_path, attempt)
         delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
