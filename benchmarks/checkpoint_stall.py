@@ -90,7 +90,7 @@ from ray.train import Checkpoint, CheckpointConfig, CheckpointUploadMode, RunCon
 from ray.train.torch import TorchTrainer, prepare_model
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ray_resilient import Checkpointer
+from ray_resilient import CheckpointConfig, Checkpointer
 from ray_resilient.storage import RunStorage
 from ray_resilient.testing.kit import start_local_ray
 
@@ -259,8 +259,8 @@ class DcpSync(Saver):
 class Resilient(Saver):
     def __init__(self, job: Job):
         super().__init__(job)
-        self.ckpt = Checkpointer(job.model, job.optimizer, interval_steps=job.steps_between,
-                                 write_threads=job.write_threads)
+        self.ckpt = Checkpointer(job.model, job.optimizer, config=CheckpointConfig(
+            interval_steps=job.steps_between, write_threads=job.write_threads))
         self.ckpt.restore()  # a fresh run: finds nothing; takes the run's lease
 
     def step_completed(self) -> None:
@@ -293,7 +293,7 @@ def measure_method(job: Job, method: str, checkpoints: int) -> dict[str, list]:
     saver.close()
     measured: dict[str, list] = {"stalls": records}
     if isinstance(saver, Resilient):  # the phases of its stall, as the Checkpointer timed them
-        saves = list(saver.ckpt.recent_saves)
+        saves = list(saver.ckpt.status.recent_saves)
         if len(saves) != len(records) or not all(save.ok for save in saves):
             raise RuntimeError(f"expected {len(records)} ray_resilient saves, all durable: {saves}")
         for record, save in zip(records, saves):

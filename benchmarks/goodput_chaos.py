@@ -29,7 +29,7 @@ Setup
     Every kill makes Ray Train restart the whole worker group, except in survivor mode.
 
 The three runs
-    resilient  the kit's restart loop (``train_restarting``): ``Checkpointer(interval_steps="auto",
+    resilient  the kit's restart loop (``train_restarting``): ``CheckpointConfig(interval_steps="auto",
                mtbf_s=60)``, sharded asynchronous DCP checkpoints registered with Ray once
                durable, restore of the newest complete one with the exact data position, spare
                worker processes for the next restart. The interval: a first save after 10 steps,

@@ -49,7 +49,7 @@ from ray.train import Checkpoint, CheckpointUploadMode
 from ray.train.torch import TorchTrainer, get_device
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ray_resilient import Checkpointer, recommended_ray_config
+from ray_resilient import CheckpointConfig, Checkpointer, recommended_ray_config
 from ray_resilient.testing.kit import start_local_ray
 
 LAYERS = 8
@@ -140,21 +140,29 @@ def torch_save_stalls(job: Job, saves: int, steps_between: int, mode: Checkpoint
     return stalls
 
 
-def resilient_phase(job: Job, ckpt: Checkpointer, saves: int, steps_between: int) -> dict[str, Any]:
-    """Train until ``saves`` saves started at an interval of ``steps_between`` steps: the stall of
-    each step that started one, the saves deferred, and every save made durable meanwhile."""
-    ckpt.policy.interval_steps = steps_between
-    deferred_before, started_before, stalls, durable = ckpt.deferred_saves, ckpt.saves_started, [], {}
-    while ckpt.saves_started - started_before < saves:
-        job.step()
-        started = ckpt.saves_started
-        stall = timed(job, lambda: ckpt.step_completed(0))
-        if ckpt.saves_started > started:
-            stalls.append(stall)
-        if ckpt.last_save is not None:
-            durable[ckpt.last_save.step] = (ckpt.last_save.stage_seconds, ckpt.last_save.durable_seconds)
-    return {"stalls": stalls, "deferred": ckpt.deferred_saves - deferred_before, "durable": durable,
-            "steps_between": steps_between}
+def resilient_phase(job: Job, saves: int, steps_between: int, write_threads: int) -> dict[str, Any]:
+    """Train until ``saves`` saves started at an interval of ``steps_between`` steps (a Checkpointer
+    of its own, resuming the run): the stall of each step that started one, the saves deferred, and
+    every save made durable meanwhile."""
+    config = CheckpointConfig(interval_steps=steps_between, goodput_logger=None, write_threads=write_threads)
+    stalls: list[float] = []
+    durable: dict[int, tuple[float, float]] = {}
+    with Checkpointer(job.model, job.optimizer, config=config) as ckpt:
+        ckpt.restore()  # the previous phase's final checkpoint (the first: finds nothing, takes the run's lease)
+        while ckpt.status.saves_started < saves:
+            job.step()
+            started = ckpt.status.saves_started
+            stall = timed(job, lambda: ckpt.step_completed(0))
+            status = ckpt.status
+            if status.saves_started > started:
+                stalls.append(stall)
+            if status.last_save is not None:
+                durable[status.last_save.step] = (status.last_save.stage_seconds, status.last_save.durable_seconds)
+        deferred = ckpt.status.deferred
+        ckpt.finish()
+        step = ckpt.status.step
+    return {"stalls": stalls, "deferred": deferred, "durable": durable, "steps_between": steps_between,
+            "step": step}
 
 
 def measure_fn(config: dict[str, Any]) -> None:
@@ -166,26 +174,23 @@ def measure_fn(config: dict[str, Any]) -> None:
     results[TORCH_SYNC] = torch_save_stalls(job, saves, between, CheckpointUploadMode.SYNC, "torch_sync")
     results[TORCH_ASYNC] = torch_save_stalls(job, saves, between, CheckpointUploadMode.ASYNC, "torch_async")
     step_seconds = config["step_seconds"]
-    with Checkpointer(job.model, job.optimizer, interval_steps=between, goodput_logger=None,
-                      write_threads=config["write_threads"]) as ckpt:
-        ckpt.restore()  # a fresh run: finds nothing; takes the run's lease
-        # The given interval first; if a save took longer than it to become durable, again at
-        # 1.5 times the time to durable (steady state); then at half of it.
-        probe = resilient_phase(job, ckpt, saves + 1, between)
-        durable = statistics.median(d for _, d in probe["durable"].values())
-        longer = max(between, math.ceil(1.5 * durable / step_seconds))
-        results[LONG] = probe if longer == between else resilient_phase(job, ckpt, saves, longer)
-        results[SHORT] = resilient_phase(job, ckpt, 2 * saves, max(1, math.floor(0.5 * durable / step_seconds)))
-        ckpt.finish()
-        model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
-        torch.save({"model": model_sd, "optimizer": optim_sd, "step": ckpt.train_state.step}, config["final"])
+    threads = config["write_threads"]
+    # The given interval first; if a save took longer than it to become durable, again at 1.5 times
+    # the time to durable (steady state); then at half of it. Each phase ends with its final save.
+    probe = resilient_phase(job, saves + 1, between, threads)
+    durable = statistics.median(d for _, d in probe["durable"].values())
+    longer = max(between, math.ceil(1.5 * durable / step_seconds))
+    results[LONG] = probe if longer == between else resilient_phase(job, saves, longer, threads)
+    results[SHORT] = resilient_phase(job, 2 * saves, max(1, math.floor(0.5 * durable / step_seconds)), threads)
+    model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
+    torch.save({"model": model_sd, "optimizer": optim_sd, "step": results[SHORT]["step"]}, config["final"])
     with open(config["results"], "w") as f:
         json.dump(results, f, default=str)
 
 
 def resume_fn(config: dict[str, Any]) -> None:
     job = Job(config["state_gib"], config["step_seconds"])
-    with Checkpointer(job.model, job.optimizer, goodput_logger=None) as ckpt:
+    with Checkpointer(job.model, job.optimizer, config=CheckpointConfig(goodput_logger=None)) as ckpt:
         state = ckpt.restore()
         final = torch.load(config["final"], map_location=job.device)
         model_sd, optim_sd = get_state_dict(job.model, job.optimizer)

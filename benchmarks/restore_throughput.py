@@ -49,7 +49,7 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from ray_resilient import Checkpointer
+from ray_resilient import CheckpointConfig, Checkpointer
 from ray_resilient.checkpoint import CheckpointStorage, list_checkpoints
 from ray_resilient.testing import S3Server, seaweedfs
 from ray_resilient.testing.kit import start_local_ray
@@ -70,7 +70,7 @@ def save(config: dict) -> None:
     """One step, then the final checkpoint."""
     model = model_for(config["state_mb"])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    with Checkpointer(model, optimizer, goodput_logger=None, hang_watchdog=None) as checkpointer:
+    with Checkpointer(model, optimizer, config=CheckpointConfig(goodput_logger=None, hang_watchdog=None)) as checkpointer:
         checkpointer.restore()
         model(torch.ones(4, model[0].in_features)).sum().backward()  # the same step on both replicas
         optimizer.step()
@@ -116,8 +116,8 @@ def measure(config: dict) -> None:
         return CheckpointStorage(fs, run, f"{root}/{local}")
 
     started = time.monotonic()
-    with Checkpointer(model, optimizer, storage=node("checkpointer"), goodput_logger=None,
-                      hang_watchdog=None) as checkpointer:
+    config = CheckpointConfig(storage=node("checkpointer"), goodput_logger=None, hang_watchdog=None)
+    with Checkpointer(model, optimizer, config=config) as checkpointer:
         checkpointer.restore()
     checkpointer_seconds = time.monotonic() - started
     path = list_checkpoints(fs, run)[-1].path

@@ -50,6 +50,7 @@ import torch
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer, prepare_model
 
+from ray_resilient import CheckpointConfig
 from ray_resilient.survivors import SurvivingReplicas, SurvivorConfig
 from ray_resilient.testing.kit import experiment_dir, start_local_ray
 
@@ -109,7 +110,8 @@ def train_survivors(config: dict[str, Any]) -> None:
         return torch.nn.functional.cross_entropy(model(images), labels)
 
     times = []
-    with SurvivingReplicas(model, optimizer, micro_batches=world, goodput_logger=None) as replicas:
+    checkpoints = CheckpointConfig(interval_steps=None, goodput_logger=None)  # the final save alone
+    with SurvivingReplicas(model, optimizer, micro_batches=world, config=checkpoints) as replicas:
         while replicas.step < config["steps"]:
             started = time.perf_counter()
             replicas.train_step(loss_of)

@@ -5,7 +5,7 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer, prepare_model
 
-from ray_resilient import Checkpointer, recommended_ray_config
+from ray_resilient import CheckpointConfig, Checkpointer, recommended_ray_config
 from ray_resilient.data import Volume, VolumeDataLoader, VolumeImageDataset, default_transform
 
 
@@ -18,7 +18,7 @@ def train_fn(config):
     classes = dataset.volume.num_classes
     model = prepare_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with Checkpointer(model, optimizer, data=loader, interval_steps=10, seed=0) as ckpt:
+    with Checkpointer(model, optimizer, data=loader, config=CheckpointConfig(interval_steps=10)) as ckpt:
         ckpt.restore()  # the newest complete checkpoint of the run, or a fresh start
         while loader.epoch < config["epochs"]:
             for batch in loader:

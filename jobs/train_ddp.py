@@ -21,7 +21,7 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer, prepare_model
 
-from ray_resilient import Checkpointer, connect_ray, recommended_ray_config
+from ray_resilient import CheckpointConfig, Checkpointer, connect_ray, recommended_ray_config
 from ray_resilient.testing import CLASSES, FEATURES, SyntheticBatches
 
 def train_fn(config: dict[str, Any]) -> None:
@@ -36,8 +36,8 @@ def train_fn(config: dict[str, Any]) -> None:
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config["epochs"])
     data = SyntheticBatches(config["samples"], config["global_batch"], config["seed"], rank, world)
 
-    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data,
-                      interval_steps=config["interval"], seed=config["seed"], faults=config["faults"]) as ckpt:
+    checkpoints = CheckpointConfig(interval_steps=config["interval"], seed=config["seed"], faults=config["faults"])
+    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data, config=checkpoints) as ckpt:
         state = ckpt.restore()
         if rank == 0:
             print(f"[rank 0] {world} workers, starting at step {state.step} (epoch {state.epoch})", flush=True)
@@ -57,9 +57,9 @@ def train_fn(config: dict[str, Any]) -> None:
                 ckpt.step_completed(epoch, metrics)
             scheduler.step()
             if rank == 0 and seen:
-                print(f"[rank 0] epoch {epoch}: step {ckpt.train_state.step}, loss {metrics['loss']:.4f}, "
+                print(f"[rank 0] epoch {epoch}: step {ckpt.status.step}, loss {metrics['loss']:.4f}, "
                       f"accuracy {metrics['train_accuracy']:.3f}, {seen * world / (time.monotonic() - started):.0f} "
-                      f"samples/s, last checkpoint stall {ckpt.last_stall_seconds * 1000:.1f} ms", flush=True)
+                      f"samples/s, last checkpoint stall {ckpt.status.last_stall_seconds * 1000:.1f} ms", flush=True)
         ckpt.finish(metrics)
 
 

@@ -37,7 +37,7 @@ from ray.train.torch import TorchTrainer, get_device, prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from ray_resilient import Checkpointer, connect_ray, recommended_ray_config
+from ray_resilient import CheckpointConfig, Checkpointer, connect_ray, recommended_ray_config
 from ray_resilient.data import (
     StreamingConfig,
     Volume,
@@ -126,6 +126,12 @@ def optimizer_and_schedule(model: torch.nn.Module, config: dict[str, Any], total
     return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config["lr"], total_steps=total_steps)
 
 
+def checkpoint_config(config: dict[str, Any]) -> CheckpointConfig:
+    """The job's checkpoints, in either mode."""
+    return CheckpointConfig(interval_steps=config["interval"], mtbf_s=config["mtbf_s"], seed=config["seed"],
+                            faults=config["faults"], goodput_log_every=config["log_every"])
+
+
 def job_metrics() -> BackgroundMetrics:
     """The job's MLflow metrics, from a background thread: an MLflow outage never blocks or fails the
     loop (ray_resilient.tracking)."""
@@ -149,11 +155,9 @@ def train_fn(config: dict[str, Any]) -> None:
     optimizer, scheduler = optimizer_and_schedule(model, config, total_steps)
     metrics_log = job_metrics() if rank == 0 else None
     metrics: dict[str, float] = {}
-    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=loader, seed=config["seed"],
-                      interval_steps=config["interval"], mtbf_s=config["mtbf_s"],
-                      goodput_log_every=config["log_every"], faults=config["faults"]) as ckpt:
+    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=loader, config=checkpoint_config(config)) as ckpt:
         state = ckpt.restore()
-        restarts = ckpt.goodput.breakdown().attempts - 1 if rank == 0 else 0
+        restarts = ckpt.status.restarts
         if rank == 0:
             print(f"[attempt {restarts + 1}] {world} workers (per rank: torch threads {torch.get_num_threads()}, "
                   f"loader workers {loader.num_workers}), starting at step {state.step} of {total_steps} "
@@ -178,7 +182,7 @@ def train_fn(config: dict[str, Any]) -> None:
                     metrics_log({**metrics, "samples_per_second": throughput}, step)
                     print(f"step {step}/{total_steps} epoch {epoch} | {throughput:.0f} samples/s | loss "
                           f"{metrics['loss']:.3f} | train acc {metrics['train_accuracy']:.3f} | checkpoints "
-                          f"committed {ckpt.checkpoints_committed} | failed saves {ckpt.outcomes.failed} | "
+                          f"committed {ckpt.status.committed} | failed saves {ckpt.status.failed} | "
                           f"restarts {restarts}", flush=True)
             if seen and (rank == 0 or config["parallelism"] == "fsdp"):  # FSDP2: every rank takes part
                 metrics["val_accuracy"] = evaluate(model.module if hasattr(model, "module") else model, val_volume,
@@ -216,10 +220,8 @@ def train_survivors(config: dict[str, Any]) -> None:
         logits = model(batch.images.to(device, non_blocking=True))
         return torch.nn.functional.cross_entropy(logits, batch.labels.to(device, non_blocking=True))
 
-    with SurvivingReplicas(model, optimizer, lr_scheduler=scheduler, micro_batches=config["micro_batches"],
-                           data=loader, seed=config["seed"], checkpoint_interval=config["interval"],
-                           mtbf_s=config["mtbf_s"], faults=config["faults"],
-                           goodput_log_every=config["log_every"]) as replicas:
+    with SurvivingReplicas(model, optimizer, lr_scheduler=scheduler, data=loader, micro_batches=config["micro_batches"],
+                           config=checkpoint_config(config)) as replicas:
         if replicas.is_lead:
             print(f"[survivors] {replicas.world_size} of {world} replicas, {config['micro_batches']} micro-batches a "
                   f"step, starting at step {replicas.step} of {total_steps}", flush=True)

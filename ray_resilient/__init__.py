@@ -17,17 +17,20 @@ from ray_resilient._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
     from ray_resilient.checkpoint import (
-        Checkpointer, CheckpointSaveError, CheckpointStorage, IncompatibleCheckpointError, NoLoadableCheckpointError,
-        ReshardableStateful, RunLeaseHeldError, RunLeaseLostError, TrainState, UnrecoverableRunError,
-        list_checkpoints,
+        CheckpointConfig, Checkpointer, CheckpointSaveError, CheckpointStatus, CheckpointStorage,
+        IncompatibleCheckpointError, NoLoadableCheckpointError, ReshardableStateful, RunLeaseHeldError,
+        RunLeaseLostError, TrainState, UnrecoverableRunError, list_checkpoints,
     )
     from ray_resilient.connect import RayUnreachableError, connect_ray
     from ray_resilient.faults import FaultInjector, InjectedFault, parse_faults, random_kill_plan
+    from ray_resilient.lifecycle import Attempt, LifecycleHook
     from ray_resilient.ray_config import ResilientRayConfig, RunFailedError, recommended_ray_config
     from ray_resilient.spare_workers import DEFAULT_PRELOAD_MODULES
 
 _EXPORTS = {
     "Checkpointer": "checkpoint",
+    "CheckpointConfig": "checkpoint",
+    "CheckpointStatus": "checkpoint",
     "CheckpointSaveError": "checkpoint",
     "CheckpointStorage": "checkpoint",
     "IncompatibleCheckpointError": "checkpoint",
@@ -48,6 +51,8 @@ DEVELOPER = {  # for code that extends the library: may change between minor ver
     "ReshardableStateful": "checkpoint",
     "list_checkpoints": "checkpoint",
     "FaultInjector": "faults",
+    "Attempt": "lifecycle",
+    "LifecycleHook": "lifecycle",
     "InjectedFault": "faults",
     "parse_faults": "faults",
 }

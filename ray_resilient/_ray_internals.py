@@ -1,7 +1,7 @@
 """Every use of a private or unstable Ray API, behind one wall.
 
 ray_resilient needs a few things Ray 2.60 offers only internally or as a DeveloperAPI: the Ray Train
-run's id and storage (``get_storage()``), the raylet's ``PrestartWorkers`` RPC and the worker setup
+run's id and storage (``get_storage()``), a worker's preemption signal without a barrier, the raylet's ``PrestartWorkers`` RPC and the worker setup
 hook's variable (spare workers), the GCS's node table (the local test cluster), environment
 variables read by Ray's C++ core and Train V2's controller, replica-group replacement
 (``has_replica_groups``, survivor mode), the callback that starts an attempt's ``DatasetManager``,
@@ -75,6 +75,20 @@ def train_run_id() -> str:
 
         logger.warning("Ray Train's run id is not where ray_resilient expects it (%r); using the job id", err)
         return f"job-{ray.get_runtime_context().get_job_id()}"
+
+
+def local_preemption_info() -> Any | None:
+    """This worker's latest preemption signal for its worker group: what ``ray.train.get_preemption_info()``
+    broadcasts from rank 0, read without that barrier across every worker (for survivor mode's lead,
+    which asks alone). None when there is none, or, with a warning, when Ray moved it."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info
+    except (ImportError, AttributeError) as err:
+        logger.warning("Ray Train's preemption signal is not where ray_resilient expects it (%r): "
+                       "no preemption save", err)
+        return None
 
 
 def train_run_storage() -> tuple[pafs.FileSystem, str]:

@@ -30,6 +30,7 @@ import os
 from collections.abc import Sequence
 
 from ray_resilient._ray_internals import prestart_workers, worker_setup_hook_env_var
+from ray_resilient.lifecycle import LifecycleHook
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +94,17 @@ def spares_enabled() -> bool:
     return os.environ.get(SPARE_WORKERS_ENV) == "1"
 
 
-class SpareWorkerRequest:
-    """The checkpointer's hook (:class:`~ray_resilient.checkpoint.hooks.AttemptHook`): once an
-    attempt trains, local rank 0 of each node asks for one spare per rank of the node."""
+class SpareWorkerRequest(LifecycleHook):
+    """A lifecycle hook (:class:`~ray_resilient.lifecycle.LifecycleHook`): once this process trained
+    its first step, local rank 0 of each node asks for one spare per rank of the node."""
 
-    def first_step(self) -> None:
+    def __init__(self) -> None:
+        self._asked = False
+
+    def step_finished(self, step: int) -> None:
+        if self._asked:
+            return
+        self._asked = True
         import ray.train
 
         context = ray.train.get_context()

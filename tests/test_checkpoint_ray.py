@@ -38,6 +38,25 @@ def test_uninterrupted_run_registers_complete_checkpoints_and_keeps_num_to_keep(
     assert result.metrics["step"] == 24 and result.metrics["checkpoint_failed_saves"] == 0
 
 
+def test_a_user_hook_hears_every_point_of_the_lifecycle_in_order(reference):
+    """``hooks=``: on each rank, the attempt starting with every rank's identity, the restore, each
+    step in order, each save's staging at the interval, and the attempt ending without a failure."""
+    for rank in (0, 1):
+        (points,) = trainlib.read_lifecycle(str(reference["record"]), rank)
+        started, *middle, ended = points
+        assert started["point"] == "attempt_started" and started["rank"] == rank and started["world_size"] == 2
+        assert len(set(started["pids"])) == 2 and ended == {"point": "attempt_ended", "failed": False}
+        assert middle[:2] == [{"point": "phase", "name": "restore", "allowance": "startup"},
+                              {"point": "phase", "name": "training", "allowance": None}]
+        steps = [p["step"] for p in middle if p["point"] == "step_finished"]
+        assert steps == list(range(1, 25))
+        saved_after = [middle[i - 1]["step"] for i, p in enumerate(middle) if p["point"] == "saving"]
+        # At each multiple of the interval, and the step after a save deferred (both staging sets busy);
+        # the final save (24) is finish()'s, a phase of its own.
+        assert {5, 10, 15, 20} <= set(saved_after) and all(s % 5 == 0 or s - 1 in saved_after for s in saved_after)
+        assert {"point": "phase", "name": "final save", "allowance": "startup"} in middle
+
+
 def test_sigkilled_workers_resume_bitwise_identical(reference, tmp_path):
     # Rank 1 dies mid-interval; later rank 0 dies after checkpoint 20 is durable but before
     # Ray registered it (registration happens at the next save).

@@ -140,12 +140,12 @@ def test_two_writers_of_one_run_never_share_names_and_a_fenced_off_one_writes_no
         storage = CheckpointStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
     old, new = (CheckpointSession(storage, 0, no_faults(storage), run_id="run-a") for _ in range(2))
     old_attempt = old.open(None).attempt
-    assert save(old.writer, make_components(0), 5, old_attempt).ok
+    assert save(old._writer, make_components(0), 5, old_attempt).ok
     new_attempt = new.open(None).attempt
     assert new_attempt == old_attempt + 1
-    fenced = save(old.writer, make_components(1), 10, old_attempt)
+    fenced = save(old._writer, make_components(1), 10, old_attempt)
     assert not fenced.ok and "was taken over (lease generation 1)" in fenced.error
-    assert save(new.writer, make_components(2), 10, new_attempt).ok
+    assert save(new._writer, make_components(2), 10, new_attempt).ok
     assert [(c.step, c.attempt, c.complete) for c in list_checkpoints(storage.filesystem, storage.experiment_path)] \
         == [(5, 0, True), (10, 1, True)]
     old.close(RuntimeError("killed"))
@@ -323,6 +323,40 @@ def test_a_save_policy_refuses_settings_it_cannot_follow(interval, mtbf_s, preem
         SavePolicy(interval, mtbf_s=mtbf_s, preemption_check_steps=preemption_check_steps)
 
 
+@pytest.mark.parametrize("changes, error", [
+    ({"interval_steps": 0}, "interval_steps must be an int >= 1"),
+    ({"interval_steps": True}, "interval_steps must be an int >= 1"),
+    ({"interval_steps": "auto"}, "needs the job's mtbf_s"),
+    ({"staging_buffers": 0}, "staging_buffers must be an int >= 1"),
+    ({"write_threads": 2.5}, "write_threads must be an int >= 1"),
+    ({"max_failed_saves_in_a_row": 0}, "max_failed_saves_in_a_row must be an int >= 1"),
+    ({"save_timeout_s": 0}, "save_timeout_s must be > 0"),
+    ({"lease_ttl_s": -1.0}, "lease_ttl_s must be > 0"),
+    ({"storage": "/tmp/run"}, "storage must be a CheckpointStorage"),
+])
+def test_a_checkpoint_config_names_the_knob_it_refuses_and_cannot_be_changed_after(changes, error):
+    import dataclasses
+
+    from ray_resilient.checkpoint import CheckpointConfig
+
+    with pytest.raises(ValueError, match=error):
+        CheckpointConfig(**changes)
+    config = CheckpointConfig(interval_steps=None)
+    assert config.replace(interval_steps=7).interval_steps == 7 and config.interval_steps is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.interval_steps = 5  # type: ignore[misc]
+    with pytest.raises(ValueError, match=error):
+        config.replace(**changes)
+
+
+def test_without_an_interval_only_the_final_and_preemption_saves_are_made():
+    from ray_resilient.checkpoint.save_policy import SavePolicy
+
+    never = SavePolicy(None)
+    never.restored(0)
+    assert never.interval_steps == 0 and not any(never.due(step) for step in range(1, 1000))
+
+
 def test_a_fixed_interval_saves_at_its_multiples_and_auto_follows_dalys_interval_after_each_save():
     from ray_resilient.checkpoint.save_policy import AUTO_FIRST_STEPS, SavePolicy
     from ray_resilient.goodput.planner import interval_steps_for
@@ -355,11 +389,11 @@ def test_a_write_that_hangs_fails_the_saves_it_holds_up_then_escalates(storage):
     storage.filesystem.create_dir(storage.experiment_path)  # Ray creates the run's directory
     session.open(None)
     state = make_components(0).state_to_save(TrainState(step=5), rank=0)
-    session.writer.save(state, 5, checkpoint_dir_name(5, 0))
-    assert not session.may_save(6) and session.deferred and session.outcomes.failed == 0
-    wait_until(lambda: session.writer.oldest_in_flight()[1] > 0.5, timeout=10, what="the write to pass 0.5 s")
-    assert not session.may_save(7) and not session.deferred and session.outcomes.failed == 1
-    assert not session.may_save(8) and session.outcomes.failed == 2
+    session.save(state, 5, checkpoint_dir_name(5, 0))
+    assert not session.may_save(6) and session.deferred and session.failed == 0
+    wait_until(lambda: session._writer.oldest_in_flight()[1] > 0.5, timeout=10, what="the write to pass 0.5 s")
+    assert not session.may_save(7) and not session.deferred and session.failed == 1
+    assert not session.may_save(8) and session.failed == 2
     with pytest.raises(CheckpointSaveError, match="3 checkpoint saves in a row failed .*the save of step 5 has "
                                                   "been writing for .* save_timeout_s=0.5"):
         session.may_save(9)

@@ -38,7 +38,7 @@ from ray_resilient.data import (
     default_cache_dir,
     default_transform,
 )
-from ray_resilient.checkpoint.hooks import DataProgressSource
+from ray_resilient.lifecycle import DataProgressSource
 from ray_resilient.data.cache import entry_name
 from ray_resilient.data.dataset import read_bytes
 from ray_resilient.data.prefetch import Prefetcher

@@ -5,9 +5,11 @@ not executed). The layers, bottom up (README, "How it fits together"):
 
 - base: ``_ray_internals`` (every private Ray API), ``_torch_internals`` (every private torch
   API), ``_lazy``, ``storage`` (a path or URI to a filesystem, a run's storage), ``faults``,
-  ``tracking``;
+  ``tracking``, ``lifecycle`` (the points of an attempt the checkpoint loop announces, which the
+  watchdog and spare workers plug into);
 - ``data`` and ``goodput``, which know nothing of each other or of checkpoints;
-- ``spare_workers`` and ``watchdog`` (hang detection, which records into the goodput ledger);
+- ``spare_workers``, then ``watchdog`` (hang detection, which records into the goodput ledger and
+  starts its actor with the spare workers' runtime environment);
   then ``checkpoint``, which feeds the goodput ledger; then ``survivors``
   (survivor mode), which writes its checkpoints with ``checkpoint``'s parts and judges its
   replicas' silence by ``watchdog``'s rule;
@@ -44,8 +46,9 @@ import ray_resilient
 PACKAGE = Path(ray_resilient.__file__).resolve().parent
 REPO = PACKAGE.parent
 TESTS = Path(__file__).resolve().parent
-BASE = {"_ray_internals", "_torch_internals", "_lazy", "storage", "faults", "tracking"}
+BASE = {"_ray_internals", "_torch_internals", "_lazy", "storage", "faults", "tracking", "lifecycle"}
 ALLOWED = {
+    "lifecycle": {"storage"},
     "_ray_internals": set(),
     "_torch_internals": set(),
     "_lazy": set(),
@@ -55,7 +58,7 @@ ALLOWED = {
     "data": BASE,
     "goodput": BASE,
     "spare_workers": BASE,
-    "watchdog": BASE | {"goodput"},
+    "watchdog": BASE | {"goodput", "spare_workers"},
     "checkpoint": BASE | {"goodput", "spare_workers", "watchdog"},
     "survivors": BASE | {"checkpoint", "goodput", "spare_workers", "watchdog"},
     "console": set(),

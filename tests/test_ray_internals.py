@@ -4,6 +4,7 @@ when a Ray upgrade moves what the wall relies on (at run time the wall only warn
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import re
@@ -47,6 +48,17 @@ def test_the_train_run_id_is_where_the_wall_reads_it():
     assert callable(get_train_context)
     assert "train_run_context" in {f.name for f in dataclasses.fields(TrainContext)}
     assert "run_id" in {f.name for f in dataclasses.fields(TrainRunContext)}
+
+
+def test_a_workers_preemption_signal_is_where_the_wall_reads_it():
+    from ray.train.v2._internal.execution.context import TrainContext
+    from ray.train.v2._internal.execution.preemption import PreemptionContext
+    from ray.train.v2._internal.execution.train_fn_utils import DistributedTrainFnUtils
+
+    assert "preemption_context" in {f.name for f in dataclasses.fields(TrainContext)}
+    assert "preemption_info" in {f.name for f in dataclasses.fields(PreemptionContext)}
+    # Ray's own get_preemption_info() broadcasts that very field from rank 0.
+    assert "preemption_context.preemption_info" in inspect.getsource(DistributedTrainFnUtils.get_preemption_info)
 
 
 def test_the_train_context_gives_the_runs_storage_where_the_wall_reads_it(tmp_path):

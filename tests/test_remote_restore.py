@@ -65,7 +65,7 @@ def test_the_nodes_copy_is_kept_for_a_restart_and_deleted_when_the_run_ends(s3_s
                                     run_id="run-ends")
         session.open(registered_path=None)
         job = components(5)
-        session.writer.save(job.state_to_save(TrainState(step=5), rank=0), 5, checkpoint_dir_name(5, int(not error)))
+        session.save(job.state_to_save(TrainState(step=5), rank=0), 5, checkpoint_dir_name(5, int(not error)))
         assert session.collect_all()[-1].ok
         session.close(error)
         copy = node_copy_dir(storage.local_dir, checkpoint_dir_name(5, int(not error)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import statistics
@@ -128,6 +129,9 @@ def test_the_lead_saves_at_dalys_interval_logs_live_goodput_and_registers_with_r
     logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "data/fetch_seconds"))
     assert logged[:6] == list(range(5, 31, 5)) and set(logged) <= set(range(5, 61, 5))  # the last may be cut off
     assert client.get_metric_history(run.info.run_id, "data/bytes_downloaded")[-1].value > 0
+
+    # The lead's wait for its loader is counted apart, as in the mainline.
+    assert sum(e["data_wait"] for e in events if e["kind"] == "step") > 0
 
     complete = [c for c in list_checkpoints(pafs.LocalFileSystem(), str(uninterrupted.run_dir)) if c.complete]
     assert [c.step for c in complete] == [s["step"] for s in saves[-2:]]
@@ -551,6 +555,40 @@ def test_failed_saves_escalate_in_survivor_mode_and_a_failed_final_save_is_made_
     # The new lead's lease generation (attempt 1) names its checkpoints: the first lead's names are never reused.
     assert [(c.step, c.attempt) for c in checkpoints if c.complete] == [(40, 1), (50, 1), (60, 1)]
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(uninterrupted.record))
+
+
+def test_survivor_mode_takes_what_checkpointer_takes_and_answers_a_preemption_with_a_save(ray_cluster, tmp_path):
+    """The lead runs the mainline's checkpoint loop: a GradScaler and an extra Stateful train alike on
+    both replicas and go into its checkpoints, which go to the job's own storage; a preemption
+    notice after step 4 is answered by a save of step 5 (the interval saves nothing: None);
+    ``progress()`` is there as in the mainline."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ray_resilient.survivors import SurvivorConfig
+
+    record, own = tmp_path / "rec", tmp_path / "own-storage"
+    record.mkdir()
+    config = {"seed": 3, "samples": 64, "global_batch": 8, "steps": 8, "record_dir": str(record),
+              "storage": str(own / "run"), "faults": "preempt:step=4:rank=0"}
+    trainer = TorchTrainer(trainlib.survivor_components_fn, train_loop_config=config, torch_config=SurvivorConfig(),
+                           scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name="components", storage_path=str(tmp_path / "ray"),
+                                                failure_config=FailureConfig(max_failures=0)))
+    assert trainer.fit().error is None
+    finals = [json.loads((record / f"replica{r}.json").read_text()) for r in (0, 1)]
+    # 8 steps without an inf: the scale doubled every 2 (2^8 -> 2^12) on both replicas; the counter alike.
+    assert finals[0] == finals[1] == {"scale": 2.0**12, "counter": finals[0]["counter"], "step": 8}
+    checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(own / "run"))
+    assert [(c.step, c.complete) for c in checkpoints] == [(5, True), (8, True)]
+    assert not list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "ray" / "components"))
+    events = read_events(pafs.LocalFileSystem(), str(own / "run"))
+    assert [e["step"] for e in events if e["kind"] == "save"] == [5, 8]
+    dcp_to_torch_save(checkpoints[-1].path, tmp_path / "final.pt")
+    final = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert final["grad_scaler"]["scale"] == 2.0**12 and final["extras"]["counter"] == {"value": finals[0]["counter"]}
+    assert final["train_state"]["step"] == 8
 
 
 # SURVIVOR_JOB with no volume trains on SyntheticBatches: no S3 volume and no reference run needed.

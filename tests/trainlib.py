@@ -21,7 +21,7 @@ from ray.train.torch import prepare_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from ray_resilient import Checkpointer, spare_workers
+from ray_resilient import Attempt, CheckpointConfig, Checkpointer, LifecycleHook, spare_workers
 from ray_resilient._ray_internals import without_unused_dataset_manager
 from ray_resilient.checkpoint.lease import TTL_S
 from ray_resilient.testing import wait_until
@@ -76,6 +76,47 @@ class AttemptRecorder:
     def step(self, step: int, ids: torch.Tensor, loss: torch.Tensor) -> None:
         self._log.write(json.dumps({"step": step, "ids": ids.tolist(), "loss": loss.item(), "time": time.time()}) + "\n")
         self._log.flush()
+
+
+class LifecycleRecorder(LifecycleHook):
+    """A user's lifecycle hook: every point the checkpoint loop fires, one JSON line each, in
+    ``record_dir/lifecycle-rank<r>-<pid>.jsonl``."""
+
+    def __init__(self, record_dir: str) -> None:
+        self._dir = record_dir
+        self._log: Any = None
+
+    def _write(self, point: str, **fields: Any) -> None:
+        self._log.write(json.dumps({"point": point, **fields}) + "\n")
+        self._log.flush()
+
+    def attempt_started(self, attempt: Attempt) -> None:
+        self._log = open(os.path.join(self._dir, f"lifecycle-rank{attempt.rank}-{os.getpid()}.jsonl"), "w")
+        self._write("attempt_started", rank=attempt.rank, world_size=attempt.world_size,
+                    pids=[identity["pid"] for identity in attempt.identities])
+
+    def phase(self, name: str, allowance: float | str | None = None) -> None:
+        self._write("phase", name=name, allowance=allowance)
+
+    def saving(self, name: str, previous_stall_s: float | None) -> None:
+        self._write("saving", name=name)
+
+    def step_finished(self, step: int) -> None:
+        self._write("step_finished", step=step)
+
+    def attempt_ended(self, failed: bool) -> None:
+        self._write("attempt_ended", failed=failed)
+        self._log.close()
+
+
+def read_lifecycle(record_dir: str, rank: int) -> list[list[dict[str, Any]]]:
+    """The lifecycle points of each process of ``rank``, in the order its processes started."""
+    names = [n for n in os.listdir(record_dir) if n.startswith(f"lifecycle-rank{rank}-")]
+    logs = []
+    for name in names:
+        with open(os.path.join(record_dir, name)) as f:
+            logs.append((os.path.getctime(os.path.join(record_dir, name)), [json.loads(line) for line in f]))
+    return [points for _, points in sorted(logs, key=lambda entry: entry[0])]
 
 
 def _attempt_of(name: str) -> int:
@@ -196,12 +237,13 @@ def train_fn(config: dict[str, Any]) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
     data = SyntheticBatches(config["samples"], config["global_batch"], seed, rank, world)
     loss = torch.zeros(())
-    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data, interval_steps=config["interval"],
-                      mtbf_s=config.get("mtbf_s"), seed=seed, faults=config.get("faults", ""),
-                      goodput_logger=config.get("goodput_logger"),
-                      goodput_log_every=config.get("goodput_log_every", 50),
-                      lease_ttl_s=config.get("lease_ttl_s", TTL_S),
-                      hang_watchdog=HangWatchdogConfig(**config.get("watchdog", {}))) as ckpt:
+    checkpoints = CheckpointConfig(interval_steps=config["interval"], mtbf_s=config.get("mtbf_s"), seed=seed,
+                                   faults=config.get("faults", ""), goodput_logger=config.get("goodput_logger"),
+                                   goodput_log_every=config.get("goodput_log_every", 50),
+                                   lease_ttl_s=config.get("lease_ttl_s", TTL_S),
+                                   hang_watchdog=HangWatchdogConfig(**config.get("watchdog", {})))
+    with Checkpointer(model, optimizer, lr_scheduler=scheduler, data=data, config=checkpoints,
+                      hooks=[LifecycleRecorder(config["record_dir"])]) as ckpt:
         registered = ray.train.get_checkpoint()
         state = ckpt.restore()  # the live train state: its step counts on
         restored_step = state.step
@@ -264,8 +306,8 @@ def roundtrip_fn(config: dict[str, Any]) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     counter = Counter()
-    with Checkpointer(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler,
-                      extras={"counter": counter}, interval_steps=3, seed=config["seed"], goodput_logger=None) as ckpt:
+    with Checkpointer(model, optimizer, lr_scheduler=scheduler, grad_scaler=scaler, extras={"counter": counter},
+                      config=CheckpointConfig(interval_steps=3, seed=config["seed"], goodput_logger=None)) as ckpt:
         ckpt.restore()  # saving: finds nothing, starts fresh
         if saving:
             for _ in range(config["steps"]):
@@ -333,7 +375,7 @@ def no_restore_fn(config: dict[str, Any]) -> None:
     """A train function that forgets ``restore()`` and saves at every step."""
     model = prepare_model(build_model(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Checkpointer(model, optimizer, interval_steps=1, goodput_logger=None) as ckpt:
+    with Checkpointer(model, optimizer, config=CheckpointConfig(interval_steps=1, goodput_logger=None)) as ckpt:
         ckpt.step_completed(0)
 
 
@@ -344,8 +386,9 @@ def preemption_fn(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     model = prepare_model(build_model(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with Checkpointer(model, optimizer, interval_steps=10**6, preemption_check_steps=5, goodput_logger=None,
-                      faults=config.get("faults"), hang_watchdog=HangWatchdogConfig(floor_s=5.0)) as ckpt:
+    checkpoints = CheckpointConfig(interval_steps=None, preemption_check_steps=5, goodput_logger=None,
+                                   faults=config.get("faults"), hang_watchdog=HangWatchdogConfig(floor_s=5.0))
+    with Checkpointer(model, optimizer, config=checkpoints) as ckpt:
         ckpt.restore()
         steps_after = None
         for step in range(config["max_steps"]):
@@ -358,7 +401,7 @@ def preemption_fn(config: dict[str, Any]) -> None:
             if ctx.get_world_rank() == 0:
                 with open(config["progress"], "w") as out:
                     json.dump({"node_id": ray.get_runtime_context().get_node_id(), "step": step}, out)
-            if ckpt.policy.saved_for_preemption:
+            if ckpt.status.preemption_saves:
                 steps_after = 0 if steps_after is None else steps_after + 1
                 if steps_after == 5:
                     break
@@ -380,8 +423,9 @@ def image_train_fn(config: dict[str, Any]) -> None:
     torch.manual_seed(config["seed"])
     model = prepare_model(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 12 * 12, 3)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with Checkpointer(model, optimizer, data=loader, interval_steps=config["interval"], seed=config["seed"],
-                      faults=config["faults"], goodput_logger=None) as ckpt:
+    checkpoints = CheckpointConfig(interval_steps=config["interval"], seed=config["seed"], faults=config["faults"],
+                                   goodput_logger=None)
+    with Checkpointer(model, optimizer, data=loader, config=checkpoints) as ckpt:
         state = ckpt.restore()
         recorder = AttemptRecorder(config["record_dir"], state.step, None)
         while loader.epoch < config["epochs"]:
@@ -419,6 +463,39 @@ def survivor_volume_loader(config: dict[str, Any]) -> Any:
                                  streaming=StreamingConfig(spec.get("cache_dir")))
     return VolumeDataLoader(dataset, num_workers=config.get("loader_workers", 0),
                             metrics_logger=config.get("data_logger"), log_every=5)
+
+
+def survivor_components_fn(config: dict[str, Any]) -> None:
+    """Survivor mode given what the mainline's ``Checkpointer`` takes: a ``GradScaler`` (growing every
+    2 steps), an extra ``Stateful`` (``Counter``), checkpoint storage of the job's own
+    (``config["storage"]``, not Ray's run directory) and ``faults`` (a ``preempt`` one: a save
+    answers it); each replica calls ``progress()`` between its steps. Each replica writes its final
+    scale, counter and step to ``record_dir/replica<r>.json``."""
+    from ray_resilient.checkpoint import CheckpointStorage
+    from ray_resilient.survivors import SurvivingReplicas
+
+    torch.use_deterministic_algorithms(True)
+    replica = ray.train.get_context().get_world_rank()
+    data = SyntheticBatches(config["samples"], config["global_batch"], config["seed"], 0, 1)
+    model = build_model(config["seed"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    counter = Counter()
+    checkpoints = CheckpointConfig(interval_steps=None, seed=config["seed"], faults=config["faults"],
+                                   storage=CheckpointStorage.from_uri(config["storage"]), goodput_logger=None)
+
+    def loss_of(step: int, part: int) -> torch.Tensor:
+        _, x, y = data.micro_batch(step, part, 2)
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    with SurvivingReplicas(model, optimizer, grad_scaler=scaler, extras={"counter": counter}, micro_batches=2,
+                           config=checkpoints) as replicas:
+        while replicas.step < config["steps"]:
+            replicas.train_step(loss_of)
+            counter.value += 1 + counter.value % 3
+            replicas.progress("bookkeeping")
+    with open(os.path.join(config["record_dir"], f"replica{replica}.json"), "w") as out:
+        json.dump({"scale": scaler.get_scale(), "counter": counter.value, "step": replicas.step}, out)
 
 
 def survivor_fn(config: dict[str, Any]) -> None:
@@ -459,11 +536,13 @@ def survivor_fn(config: dict[str, Any]) -> None:
     lead = train_replica(model, optimizer, data, record, max_steps=per_epoch * config["epochs"],
                          step_seconds=config.get("step_seconds", 0.0), digest=True, after_step=wait,
                          flatten_images=True,
-                         lr_scheduler=scheduler, micro_batches=config["micro_batches"], seed=seed,
-                         checkpoint_interval=config.get("interval"), mtbf_s=config.get("mtbf_s"),
-                         goodput_logger=config.get("goodput_logger"),
-                         goodput_log_every=config.get("goodput_log_every", 50), faults=config.get("faults", ""),
-                         lease_ttl_s=config.get("lease_ttl_s", TTL_S), timeout_s=config.get("timeout_s", 30.0))
+                         lr_scheduler=scheduler, micro_batches=config["micro_batches"],
+                         timeout_s=config.get("timeout_s", 30.0),
+                         config=CheckpointConfig(interval_steps=config.get("interval"), mtbf_s=config.get("mtbf_s"),
+                                                 seed=seed, goodput_logger=config.get("goodput_logger"),
+                                                 goodput_log_every=config.get("goodput_log_every", 50),
+                                                 faults=config.get("faults", ""),
+                                                 lease_ttl_s=config.get("lease_ttl_s", TTL_S)))
     if lead:
         torch.save({k: v.clone() for k, v in model.state_dict().items()},
                    os.path.join(config["record_dir"], "final_weights.pt"))

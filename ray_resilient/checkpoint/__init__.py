@@ -12,9 +12,11 @@ from ray_resilient._lazy import lazy_exports
 
 if TYPE_CHECKING:  # the real edges, for readers and tools; at run time each name is imported on first use
     from ray_resilient.checkpoint.checkpointer import Checkpointer
+    from ray_resilient.checkpoint.config import CheckpointConfig
     from ray_resilient.checkpoint.errors import UnrecoverableRunError
     from ray_resilient.checkpoint.layout import CheckpointDir, is_complete, list_checkpoints
     from ray_resilient.checkpoint.lease import RunLeaseHeldError, RunLeaseLostError
+    from ray_resilient.checkpoint.loop import CheckpointStatus
     from ray_resilient.checkpoint.restore import IncompatibleCheckpointError, NoLoadableCheckpointError
     from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError
     from ray_resilient.checkpoint.save_policy import SavePolicy
@@ -26,6 +28,8 @@ _EXPORTS = {
     "RunLeaseHeldError": "lease",
     "RunLeaseLostError": "lease",
     "Checkpointer": "checkpointer",
+    "CheckpointConfig": "config",
+    "CheckpointStatus": "loop",
     "CheckpointSaveError": "save_outcomes",
     "IncompatibleCheckpointError": "restore",
     "NoLoadableCheckpointError": "restore",

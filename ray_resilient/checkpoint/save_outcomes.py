@@ -1,9 +1,8 @@
 """What became of each finished save: counted, logged, and escalated when too many fail in a row.
 
-Shared by :class:`~ray_resilient.checkpoint.Checkpointer` and survivor mode's lead replica. A
-failed save alone is logged, counted and retried at the next interval; ``max_in_a_row`` failed
-saves in a row raise :class:`CheckpointSaveError` rather than train on with nothing durable; and
-a final save must be durable (:meth:`SaveOutcomes.final`).
+Part of the checkpoint loop both modes drive. A failed save alone is logged, counted and retried at
+the next interval (a failed final save at once, from memory); ``max_in_a_row`` failed saves in a row
+raise :class:`CheckpointSaveError` rather than train on with nothing durable.
 """
 
 from __future__ import annotations
@@ -44,13 +43,3 @@ class SaveOutcomes:
             )
         logger.error("Checkpoint at step %d not saved (%s); retrying at the next interval (%d failed so far)",
                      result.step, result.error, self.failed)
-
-    @staticmethod
-    def final(result: SaveResult | None, step: int) -> SaveResult:
-        """The final save's result; :class:`CheckpointSaveError` unless it is durable."""
-        if result is None or not result.ok:
-            raise CheckpointSaveError(
-                f"the final checkpoint at step {step} failed: "
-                f"{result.error if result else 'no result'}; the newest complete checkpoint is kept"
-            )
-        return result

@@ -15,6 +15,7 @@ import ray.train
 import torch.distributed as dist
 
 from ray_resilient.checkpoint.collectives import broadcast_from_rank0
+from ray_resilient._ray_internals import local_preemption_info
 from ray_resilient.goodput.planner import interval_steps_for
 
 logger = logging.getLogger(__name__)
@@ -27,28 +28,32 @@ class SavePolicy:
     """Decides, the same way on every rank, whether the step just finished is saved.
 
     Args:
-        interval_steps: save every this many steps, or ``"auto"``: the interval that maximizes
+        interval_steps: save every this many steps, ``"auto"``: the interval that maximizes
             goodput for ``mtbf_s`` (Daly's, :mod:`ray_resilient.goodput.planner`) from the
-            measured save stall and step time. A first save after :data:`AUTO_FIRST_STEPS`
-            steps measures the stall, and every save updates the interval from rank 0's figures.
+            measured save stall and step time (a first save after :data:`AUTO_FIRST_STEPS`
+            steps measures the stall, and every save updates the interval from rank 0's figures),
+            or None: never (only the final save and preemption saves).
         mtbf_s: the job's mean time between failures in seconds (needed by ``"auto"``).
         preemption_check_steps: ask Ray for imminent preemption every this many steps (a
             barrier across workers, a few ms); a just-in-time save follows once.
+        asks_alone: this worker asks without the others (survivor mode's lead): its own copy of
+            the worker group's preemption signal, no barrier.
     """
 
-    def __init__(self, interval_steps: int | Literal["auto"] = 100, *, mtbf_s: float | None = None,
-                 preemption_check_steps: int = 10):
+    def __init__(self, interval_steps: int | Literal["auto"] | None = 100, *, mtbf_s: float | None = None,
+                 preemption_check_steps: int = 10, asks_alone: bool = False):
         if interval_steps == "auto":
             if mtbf_s is None or mtbf_s <= 0:
                 raise ValueError(f'interval_steps="auto" needs the job\'s mtbf_s (seconds, > 0), got {mtbf_s}')
-        elif not isinstance(interval_steps, int) or interval_steps < 1:
-            raise ValueError(f'interval_steps must be an int >= 1 or "auto", got {interval_steps!r}')
+        elif interval_steps is not None and (not isinstance(interval_steps, int) or interval_steps < 1):
+            raise ValueError(f'interval_steps must be an int >= 1, "auto" or None, got {interval_steps!r}')
         if preemption_check_steps < 1:
             raise ValueError(f"preemption_check_steps must be >= 1, got {preemption_check_steps}")
         self.auto = interval_steps == "auto"
-        self.interval_steps = AUTO_FIRST_STEPS if self.auto else interval_steps
+        self.interval_steps = AUTO_FIRST_STEPS if self.auto else interval_steps or 0  # 0: none
         self.mtbf_s = mtbf_s
         self.preemption_check_steps = preemption_check_steps
+        self._preemption_info = local_preemption_info if asks_alone else ray.train.get_preemption_info
         self.saved_for_preemption = False  # a just-in-time checkpoint was taken
         self._next_auto_save = AUTO_FIRST_STEPS
         self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
@@ -68,13 +73,13 @@ class SavePolicy:
         """Whether the interval says to save after ``step``."""
         if self.auto:
             return step >= self._next_auto_save
-        return step % self.interval_steps == 0
+        return self.interval_steps > 0 and step % self.interval_steps == 0
 
     def preemption_imminent(self, step: int) -> bool:
         """Whether Ray announced a preemption (asked every ``preemption_check_steps``; true once)."""
         if self.saved_for_preemption or step % self.preemption_check_steps:
             return False
-        info = ray.train.get_preemption_info()
+        info = self._preemption_info()
         if info is None:
             return False
         logger.warning("Preemption of ranks %s imminent: saving a just-in-time checkpoint", info.preempted_ranks)

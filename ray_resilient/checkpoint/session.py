@@ -1,5 +1,5 @@
-"""One writer's checkpoint session on a run directory: what ``Checkpointer`` and survivor mode's
-lead share.
+"""One writer's checkpoint session on a run directory: the parts the checkpoint loop
+(:mod:`~ray_resilient.checkpoint.loop`) drives.
 
 - The run's lease (:mod:`~ray_resilient.checkpoint.lease`: one writer per run), its next
   generation taken when the session opens (the attempt number of the saves that follow), checked
@@ -23,7 +23,9 @@ lead share.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
+
+import torch.distributed as dist
 
 from ray_resilient._ray_internals import train_run_id
 from ray_resilient.checkpoint.errors import UnrecoverableRunError
@@ -60,13 +62,48 @@ class CheckpointSession:
             raise ValueError(f"save_timeout_s must be > 0, got {save_timeout_s!r}")
         self.storage = storage
         self.save_timeout_s = save_timeout_s
-        self.outcomes = SaveOutcomes(max_failed_saves_in_a_row)
-        self.lease = RunLease(storage.filesystem, storage.experiment_path, run_id or train_run_id(), ttl_s=lease_ttl_s)
-        self.writer = AsyncCheckpointWriter(storage, rank, faults, staging_buffers=staging_buffers,
-                                            write_threads=write_threads, commit=self.lease.commit,
-                                            on_durable=on_durable)
+        self._outcomes = SaveOutcomes(max_failed_saves_in_a_row)
+        self._lease = RunLease(storage.filesystem, storage.experiment_path, run_id or train_run_id(), ttl_s=lease_ttl_s)
+        self._writer = AsyncCheckpointWriter(storage, rank, faults, staging_buffers=staging_buffers,
+                                             write_threads=write_threads, commit=self._lease.commit,
+                                             on_durable=on_durable)
         self.deferred = False  # a due save waits for a free set of staging buffers
         self.deferred_saves = 0  # due saves that waited (writes slower than the interval)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The writer's gloo group of every rank (None for one rank): for the restore's collectives."""
+        return self._writer.group
+
+    @property
+    def in_flight(self) -> int:
+        """Saves started and not collected."""
+        return self._writer.in_flight
+
+    @property
+    def failed(self) -> int:
+        """Saves that did not become durable."""
+        return self._outcomes.failed
+
+    def check_lease(self) -> None:
+        """``RunLeaseLostError`` once this run no longer holds the run directory (rank 0)."""
+        self._lease.check()
+
+    def finished(self) -> int:
+        """How many of the oldest saves in flight have finished on this rank."""
+        return self._writer.finished()
+
+    def collect(self, count: int) -> list[SaveResult]:
+        """The results of the ``count`` oldest saves (finished), in order."""
+        return self._writer.collect(count)
+
+    def save(self, state: dict[str, Any], step: int, name: str, tick: Callable[[], None] | None = None) -> None:
+        """Stage ``state`` (``tick`` per tensor) and write it as checkpoint ``name`` in the background."""
+        self._writer.save(state, step, name, tick)
+
+    def record(self, result: SaveResult) -> None:
+        """Count a finished save (:class:`CheckpointSaveError` after too many failed in a row)."""
+        self._outcomes.record(result)
 
     def open(self, registered_path: str | None) -> RestorePlan:
         """Take the run's lease's next generation, the attempt number of the saves from here on
@@ -74,7 +111,7 @@ class CheckpointSession:
         (``registered_path``: Ray's, ``get_checkpoint()``) and delete the partial ones older than the
         newest complete one. On one rank (rank 0, or the lead)."""
         listed = list_checkpoints(self.storage.filesystem, self.storage.experiment_path)  # listed again once held
-        attempt = self.lease.acquire(after=max((c.attempt for c in listed), default=-1))
+        attempt = self._lease.acquire(after=max((c.attempt for c in listed), default=-1))
         plan = find_complete_checkpoints(self.storage, registered_path, attempt)
         delete_partial_checkpoints(self.storage.filesystem, self.storage.experiment_path)
         return plan
@@ -83,13 +120,13 @@ class CheckpointSession:
         """Whether a save due at ``step`` can be staged now. If not, it is deferred (counted once,
         logged) and due again at the next step; or, when the oldest save in flight is older than
         ``save_timeout_s``, it fails (``CheckpointSaveError`` once too many failed in a row)."""
-        if self.writer.can_stage:
+        if self._writer.can_stage:
             self.deferred = False
             return True
-        oldest_step, age = self.writer.oldest_in_flight()
+        oldest_step, age = self._writer.oldest_in_flight()
         if age > self.save_timeout_s:
             self.deferred = False
-            self.outcomes.record(SaveResult(step, "", False, 0.0, 0.0, error=(
+            self._outcomes.record(SaveResult(step, "", False, 0.0, 0.0, error=(
                 f"not started: the save of step {oldest_step} has been writing for {age:.0f} s, more than "
                 f"save_timeout_s={self.save_timeout_s:g} (is the storage hung?)")))
             return False
@@ -103,9 +140,9 @@ class CheckpointSession:
         """Wait for every save in flight; :class:`CheckpointSaveError` when one is still writing
         ``save_timeout_s`` after it began (a hung write would otherwise hold the run forever)."""
         try:
-            return self.writer.collect(timeout_s=self.save_timeout_s)
+            return self._writer.collect(timeout_s=self.save_timeout_s)
         except TimeoutError:
-            step, age = self.writer.oldest_in_flight()
+            step, age = self._writer.oldest_in_flight()
             raise CheckpointSaveError(
                 f"the save of step {step} has been writing for {age:.0f} s, more than save_timeout_s="
                 f"{self.save_timeout_s:g}: the storage looks hung; stopping this attempt") from None
@@ -118,13 +155,13 @@ class CheckpointSession:
         """Wait for the saves in flight and release the lease; after ``error``, abandon the saves in
         flight and leave the lease to a restart of the run (released when ``error`` ends the run)."""
         if error is None:
-            self.writer.close()
-            self.lease.release()
+            self._writer.close()
+            self._lease.release()
             self._run_ended()
             return
-        self.writer.abandon()
+        self._writer.abandon()
         if isinstance(error, UnrecoverableRunError):
-            self.lease.release()
+            self._lease.release()
             self._run_ended()
         else:  # a restart of this run takes the lease back; if none comes, it expires
-            self.lease.stop()
+            self._lease.stop()

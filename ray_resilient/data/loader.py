@@ -122,7 +122,7 @@ class VolumeDataLoader(DataLoader):
     @property
     def fetch_seconds(self) -> float:
         """Seconds the training loop has waited in ``next()`` so far (the checkpointer's
-        :class:`~ray_resilient.checkpoint.hooks.DataWaitSource`)."""
+        :class:`~ray_resilient.lifecycle.DataWaitSource`)."""
         return self.metrics.fetch_seconds
 
     @property
@@ -133,7 +133,7 @@ class VolumeDataLoader(DataLoader):
     @property
     def loading_progress(self) -> int:
         """Samples read plus failed volume reads retried, by the dataset's processes (the
-        checkpointer's :class:`~ray_resilient.checkpoint.hooks.DataProgressSource`)."""
+        checkpoint loop's :class:`~ray_resilient.lifecycle.DataProgressSource`)."""
         return self.volume_dataset.samples_read + self.volume_dataset.reads_retried
 
     @property

@@ -28,14 +28,13 @@ A step commits on a replica when its exchange succeeded there. A replica that di
 gloo connections of that exchange at once; the others drop the step, ask the
 :class:`~ray_resilient.survivors.coordinator.MembershipCoordinator` for the next membership and
 train the same step again among themselves, in the same processes. Ray Train starts a
-replacement in the dead replica's place; it copies model, optimizer, scheduler, step and the
-checkpoint attempt from a live replica's memory over gloo (no storage read), and joins at the
-next step boundary.
+replacement in the dead replica's place; it copies model, optimizer, scheduler, scaler, extras
+and step from a live replica's memory over gloo (no storage read), and joins at the next step
+boundary.
 
-The lead replica holds the run directory's lease (one driver per run, as with ``Checkpointer``:
-:mod:`ray_resilient.checkpoint.lease`) and saves plain DCP checkpoints in the background, as a
-one-rank job; they are the safety net for losing every replica holding state, or the driver.
-Once durable, they are registered with Ray (:mod:`.registrations`: ``Result.checkpoint``,
+The lead replica runs the checkpoint loop the mainline runs, as a one-rank job (:mod:`.lead`):
+the run's lease, saves at the interval and for a preemption, the goodput ledger (the lead's wait
+for data apart). Its durable checkpoints are registered with Ray (:mod:`.registrations`: ``Result.checkpoint``,
 ``get_checkpoint()``, ``CheckpointConfig.num_to_keep``) at the next step every replica trains,
 or at the run's end once a process of every replica is up (a replacement Ray started after the
 last step registers them with the others). Ray drops the registrations waiting at its report
@@ -59,35 +58,30 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import ray
 import ray.train
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ray_resilient._torch_internals import gloo_group
-from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
-from ray_resilient.checkpoint.layout import checkpoint_dir_name, parse_checkpoint_dir_name
-from ray_resilient.checkpoint.lease import TTL_S
-from ray_resilient.checkpoint.restore import RestorePlan, load_newest_loadable
-from ray_resilient.checkpoint.save_outcomes import CheckpointSaveError
-from ray_resilient.checkpoint.save_policy import SavePolicy
-from ray_resilient.checkpoint.session import CheckpointSession
-from ray_resilient.checkpoint.state import TrainingComponents, TrainState, reseed_rng
-from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.checkpoint.writer import SaveResult
+from ray_resilient.checkpoint.config import CheckpointConfig
+from ray_resilient.checkpoint.state import TrainingComponents, reseed_rng
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.events import EventKind
+from ray_resilient.lifecycle import Lifecycle
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
+from ray_resilient.storage.run import RunStorage
 from ray_resilient.survivors.coordinator import FINAL_REPLACEMENT_WAIT_S, JOINERS_KEY, Membership, lost_key
 from ray_resilient.survivors.exchange import CONTROLS, MicroBatchExchange
+from ray_resilient.survivors.lead import FinalSaveFailed, Lead
 from ray_resilient.survivors.liveness import LivenessLink
-from ray_resilient.survivors.registrations import Registrations
+from ray_resilient.survivors.registrations import Offers, Registrations
 from ray_resilient.survivors.state_copy import receive_state, send_state
-from ray_resilient.tracking import MetricsLogger, resolve_metrics_logger
+from ray_resilient.tracking import resolve_metrics_logger
 from ray_resilient.watchdog.progress import listening_to_progress
 
 logger = logging.getLogger(__name__)
@@ -139,7 +133,7 @@ class SurvivingReplicas:
 
     Use inside the train function::
 
-        with SurvivingReplicas(model, optimizer, micro_batches=3, seed=seed, checkpoint_interval=100) as replicas:
+        with SurvivingReplicas(model, optimizer, micro_batches=3, config=CheckpointConfig(seed=seed)) as replicas:
             while replicas.step < total_steps:
                 replicas.train_step(lambda step, k: loss_fn(model(x[step][k]), y[step][k]))
 
@@ -150,59 +144,54 @@ class SurvivingReplicas:
     through its workers, cache and prefetching: ``loss_of`` reads ``data.micro_batch(step, k)``::
 
         loader = VolumeDataLoader(VolumeImageDataset(volume, global_batch=96, rank=rank, world_size=world, seed=seed))
-        with SurvivingReplicas(model, optimizer, micro_batches=3, data=loader, checkpoint_interval=100) as replicas:
+        with SurvivingReplicas(model, optimizer, micro_batches=3, data=loader) as replicas:
             while replicas.step < total_steps:
                 replicas.train_step(lambda step, k: loss_fn(model, loader.micro_batch(step, k)))
 
     Args:
         model, optimizer, lr_scheduler: the replica's (not wrapped in DDP: gradients, and the
             buffers the forward pass changes, are reduced here).
-        micro_batches: micro-batches per global batch: at least the replicas (ValueError), best
-            a multiple of them.
+        grad_scaler: a ``torch.amp.GradScaler``: each micro-batch's loss is scaled before its
+            backward pass, the step unscales the exchanged gradient, skips it when it holds an inf
+            or NaN (the same on every replica) and updates the scale; saved with the state.
         data: the volume's loader: each step it is given the micro-batches this replica computes
             under the current membership (:meth:`~ray_resilient.data.VolumeDataLoader.assign_micro_batches`),
-            and its position goes into the lead's checkpoints.
-        seed: the run's seed (RNG streams per micro-batch are derived from it).
-        checkpoint_interval, mtbf_s: when the lead saves (a
-            :class:`~ray_resilient.checkpoint.save_policy.SavePolicy`, as ``Checkpointer``'s
-            ``interval_steps``): every this many steps, ``"auto"`` (Daly's interval for the job's
-            ``mtbf_s`` from the lead's measured save stall and step time), or None: only the final one.
-        faults: a fault plan (:mod:`ray_resilient.faults`; a fault's rank is the replica): ``step``
-            faults fire after a step is applied, ``copy`` in a replica sending its state,
-            ``register`` as a replica registers a checkpoint with Ray, ``restore`` in a membership's
-            source restoring from storage, the others in the lead's checkpoint writes.
+            and its position goes into the lead's checkpoints; the lead's wait for it is counted apart
+            in the goodput ledger.
+        extras: further Statefuls, identical on every replica: copied to a replacement and saved.
+        micro_batches: micro-batches per global batch: at least the replicas (ValueError), best
+            a multiple of them.
         timeout_s: how long a collective waits on a connection that carries nothing while every
             replica still sends its heartbeats (a partition between two replicas); a replica that
             stops answering altogether is dropped sooner (:mod:`.liveness`). Work the lead alone
             does between steps is not bounded by it (see the module docstring); a restore from
             storage that makes no progress is, by :data:`RESTORE_STALL_TIMEOUTS` times it.
-        save_timeout_s: as ``Checkpointer``'s: a save still writing this long makes the due saves fail.
-        lease_ttl_s: as ``Checkpointer``'s: how long the run's lease may go unrenewed before a
-            driver started again takes it over.
-        max_failed_saves_in_a_row: the lead raises :class:`~ray_resilient.CheckpointSaveError`
-            after this many (another replica takes over as the lead). A failed final save is
-            made again from memory; when it cannot be made durable, every replica raises.
-        goodput_logger, goodput_log_every: where the lead logs the run's live goodput, as
-            ``Checkpointer``'s (``"mlflow"``: the MLflow run of this Ray Train run).
+        config: the lead's checkpoints, as the mainline's
+            (:class:`~ray_resilient.checkpoint.CheckpointConfig`): the interval (a preemption
+            answered by a save too), the seed (RNG streams per micro-batch are derived from it), the
+            storage, the lease, escalation after failed saves (another replica takes over as the
+            lead; a failed final save is made again from memory, and when it cannot be made durable
+            every replica raises), live goodput. Its ``faults`` plan's rank is the replica: ``step``
+            faults fire after a step is applied, ``copy`` in a replica sending its state,
+            ``register`` as a replica registers a checkpoint with Ray, ``restore`` in a membership's
+            source restoring from storage, the others in the lead's checkpoint writes. Its
+            ``hang_watchdog`` is not used: a replica that stops answering is dropped by its liveness link.
 
     :attr:`result_metrics`, set by the train function (the lead's count), are reported with the
     final checkpoint, with the run's goodput (``Result.metrics``), as ``Checkpointer.finish``'s.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, lr_scheduler: Any | None = None,
-                 micro_batches: int, data: MicroBatchSource | None = None, seed: int = 0,
-                 checkpoint_interval: int | Literal["auto"] | None = None,
-                 mtbf_s: float | None = None, faults: str = "", timeout_s: float = 30.0,
-                 max_failed_saves_in_a_row: int = 3, save_timeout_s: float = 600.0, lease_ttl_s: float = TTL_S,
-                 goodput_logger: MetricsLogger | str | None = "mlflow",
-                 goodput_log_every: int = 50):
+                 grad_scaler: Any | None = None, data: MicroBatchSource | None = None,
+                 extras: Mapping[str, Stateful] | None = None, micro_batches: int, timeout_s: float = 30.0,
+                 config: CheckpointConfig = CheckpointConfig()):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        self.micro_batches, self.seed = micro_batches, seed
-        self._policy = SavePolicy(checkpoint_interval, mtbf_s=mtbf_s) if checkpoint_interval is not None else None
-        resolve_metrics_logger(goodput_logger, prefix="goodput/", name="goodput", enabled=False)  # refused now, if bad
-        self._goodput_logger, self._goodput_log_every = goodput_logger, goodput_log_every
+        if not isinstance(config, CheckpointConfig):
+            raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+        resolve_metrics_logger(config.goodput_logger, prefix="goodput/", name="goodput", enabled=False)  # bad: now
+        self.optimizer, self.lr_scheduler, self.grad_scaler = optimizer, lr_scheduler, grad_scaler
+        self.micro_batches, self.seed = micro_batches, config.seed
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.step = 0
         self.finished = False
@@ -223,29 +212,18 @@ class SurvivingReplicas:
         gradients = functools.reduce(torch.promote_types, (p.dtype for p in self._params))  # not the default dtype
         self._exchange = MicroBatchExchange(row, micro_batches, exact, replicas=self._replicas, dtype=gradients)
         self._data = data
-        self._components = TrainingComponents(model, optimizer, lr_scheduler, data=data)
+        self._components = TrainingComponents(model, optimizer, lr_scheduler, grad_scaler, data, extras)
         self._token = f"{self.replica}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._storage = CheckpointStorage.from_ray_context()
-        self._faults = FaultInjector.from_plan(faults, self.replica, self._storage.filesystem,
-                                               self._storage.experiment_path)
-        self._goodput: GoodputRecorder | None = None  # the lead's: it records the run's progress as its rank 0
-        # The lead's checkpoints, as a one-rank job (the others never stage, write or hold the lease).
-        self._session = CheckpointSession(self._storage, 0, self._faults,
-                                          max_failed_saves_in_a_row=max_failed_saves_in_a_row,
-                                          save_timeout_s=save_timeout_s, lease_ttl_s=lease_ttl_s,
-                                          on_durable=lambda step, t: self._goodput.durable(step, t))
-        self._last_durable_seconds = 0.0  # how long the lead's newest durable save took to be durable
-        self._attempt = 0  # the checkpoint directories' attempt number (the worker group's start)
-        self._durable_step = -1  # the step of the lead's newest durable save
-        self._registered_step = _step_of(ray.train.get_checkpoint())  # the newest offered to Ray
-        self._ray_step = self._registered_step  # the newest Ray had as a process of this run last started
-        self._unregistered: deque[tuple[int, str]] = deque()  # the lead's durable (step, path) not offered yet
-        self._offered: deque[tuple[int, str]] = deque()  # the lead's offered since _ray_step (Ray may skip them)
-        self._registrations = Registrations(self._storage.filesystem)
+        storage = config.storage or RunStorage.from_ray_context()
+        self._config = config
+        self._faults = FaultInjector.from_plan(config.faults, self.replica, storage.filesystem, storage.experiment_path)
+        self._lead: Lead | None = None  # this replica's checkpoints and ledger, once it leads
+        self._lifecycle = Lifecycle([SpareWorkerRequest()] if spares_enabled() else [])  # this replica's hooks
+        self._offers = Offers(storage)
+        self._registrations = Registrations(storage.filesystem)
         self._membership: Membership | None = None
         self._group: Any = None
         self._copy_group: Any = None  # the source's and the replicas' behind it, while it copies
-        self._trained = False  # whether this process applied a step
         self._reforms_without_a_step = 0
         self._formation_failed = False  # this replica could not form the membership it last took
         self._holds_state = False  # restored from storage, or copied from a replica that held it
@@ -261,7 +239,7 @@ class SurvivingReplicas:
         self._store = dist.TCPStore(host, store_port, is_master=False, timeout=self.timeout)
         self._node_ip = ray.util.get_node_ip_address()
         self._live = LivenessLink(host, live_port, self.replica, self._token)
-        membership = ray.get(self._coordinator.join.remote(self.replica, self._token, self._registered_step))
+        membership = ray.get(self._coordinator.join.remote(self.replica, self._token, self._offers.registered_step))
         if membership.finished:
             self.step, self.finished = membership.step, True
             return self
@@ -280,11 +258,8 @@ class SurvivingReplicas:
         finally:
             if error is None:
                 self._registrations.close()
-            self._session.close(error)
-            if self._goodput is not None:
-                if error is not None:
-                    self._goodput.failure(error)
-                self._goodput.close()
+            if self._lead is not None:
+                self._lead.close(error)
             self._live.close()
 
     # --- training -----------------------------------------------------------------------
@@ -303,6 +278,12 @@ class SurvivingReplicas:
     def is_lead(self) -> bool:
         """Whether this replica saves the checkpoints and records the run's progress."""
         return self._membership is not None and self._membership.lead == self.replica
+
+    def progress(self, phase: str) -> None:
+        """Say this replica is busy with ``phase`` between two steps, as ``Checkpointer.progress``
+        (what the lead's lifecycle hooks hear; a replica is judged by its liveness link, not by progress)."""
+        if self._lead is not None:
+            self._lead.progress(phase)
 
     @property
     def sent_bytes(self) -> int:
@@ -336,20 +317,9 @@ class SurvivingReplicas:
             offered = int(controls[self._membership.rank(self._membership.lead), 0]) - 1
             if offered >= 0:
                 self._register(offered)
-            if not self._trained and spares_enabled():
-                SpareWorkerRequest().first_step()  # a warm process for the next replacement on this node
-            self._trained = True
+            self._lifecycle.step_finished(self.step)
             if self.is_lead:
-                ended = time.time()
-                self._goodput.step(self.step, started, ended, 0.0)
-                self._session.lease.check()
-                self._record_saves(self._session.writer.collect(self._session.writer.finished()))
-                if self._policy is not None:
-                    self._policy.step_finished(ended - started)
-                    if self._session.deferred or self._policy.due(self.step):
-                        stall = self._save()
-                        if stall is not None:
-                            self._policy.saved(self.step, stall, self._last_durable_seconds, None)
+                self._lead.step_finished(started)
             if controls[0, 1] > 0:  # a replacement is waiting: take it in at this step boundary
                 self._change_membership()
             return loss
@@ -372,7 +342,7 @@ class SurvivingReplicas:
             self.optimizer.zero_grad(set_to_none=True)
             self._set_buffers(start)  # every micro-batch's forward starts from the step's buffers
             loss = loss_of(self.step, k)
-            loss.backward()
+            (self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss).backward()
             row = rows[slot]
             offset = 0
             for param, size_ in zip(self._params, self._sizes):
@@ -384,8 +354,8 @@ class SurvivingReplicas:
                     offset += size_
             row[-1] = loss.detach()
         self._set_buffers(start)
-        if self.is_lead and self._unregistered and self.world_size == self._replicas:
-            controls[0] = 1 + self._unregistered[0][0]
+        if self.is_lead and self._offers.unregistered and self.world_size == self._replicas:
+            controls[0] = 1 + self._offers.unregistered[0][0]
         if rank == 0 and self._store.check([JOINERS_KEY]):
             controls[1] = 1
         return controls
@@ -406,7 +376,11 @@ class SurvivingReplicas:
             for buffer, size in zip(self._buffers, self._buffer_sizes):
                 buffer.add_(reduced[offset:offset + size].view_as(buffer).to(buffer.device, buffer.dtype))
                 offset += size
-        self.optimizer.step()
+        if self.grad_scaler is not None:  # the same gradient on every replica: the same skip and scale
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.step += 1
@@ -433,7 +407,7 @@ class SurvivingReplicas:
         previous, self._membership = self._membership, membership
         started = time.time()
         if membership.ray_registered is not None:
-            self._offer_skipped_again(membership.ray_registered)
+            self._offers.skipped_again(membership.ray_registered, self.is_lead)
         if membership.from_storage and membership.source == self.replica:
             self._restore_from_storage()
             self._store.set(restored_key(membership.epoch), "1")
@@ -451,11 +425,9 @@ class SurvivingReplicas:
     def _enter(self, membership: Membership, previous: Membership | None, started: float) -> None:
         """Form ``membership``'s gloo group; bring the members behind its source up to date (a
         restore from storage, from ``started``, when the source read the state from there)."""
-        if self.is_lead and self._goodput is None:  # the lead was lost: this replica takes over
-            self._become_lead()
-            self._goodput.follow_run()
-            if self._policy is not None:
-                self._policy.restored(self.step)
+        if self.is_lead and self._lead is None:  # the lead was lost: this replica takes over
+            self._lead = self._new_lead()
+            self._lead.take_over(self.step)
         self._formation_failed = False
         store = dist.PrefixStore(f"membership{membership.epoch}/", self._store)
         try:
@@ -470,10 +442,7 @@ class SurvivingReplicas:
             raise FormationError(f"replica {self.replica} cannot reach replicas {sorted(self._faults.unreachable)}")
         copy_started = time.time()
         sent = self._copy_state() if membership.behind else 0
-        if membership.from_storage:
-            if self._goodput is not None:
-                self._goodput.restored(started, self.step)
-        elif membership.behind:
+        if membership.behind and not membership.from_storage:  # a replacement copying from a live replica
             self._record(EventKind.PEER_RECOVERY, t_start=copy_started, step=self.step,
                          replicas=list(membership.behind), bytes=sent)
         if previous is not None and previous.epoch != membership.epoch:
@@ -542,7 +511,7 @@ class SurvivingReplicas:
         store = dist.PrefixStore(f"membership{membership.epoch}/copy/", self._store)
         self._copy_group = gloo_group(store, copiers.index(self.replica), len(copiers), self.timeout, self._node_ip)
         if self.replica == membership.source:
-            state = {"state": self._components.shared_state(), "step": self.step, "attempt": self._attempt}
+            state = {"state": self._components.shared_state(), "step": self.step}
             sent = send_state(self._copy_group, state, self._wait,
                               before_tensors=lambda: self._faults.fire("copy", self.step))
             self._store.set(copied, "1")
@@ -550,13 +519,18 @@ class SurvivingReplicas:
             self._holds_state = False  # its own state is overwritten from here on
             received = receive_state(self._copy_group, {"state": self._components.shared_state()}, self._wait)
             self._components.load_shared_state(received["state"])
-            self.step, self._attempt = received["step"], received["attempt"]
+            self.step = received["step"]
             self._holds_state = True
             sent = 0
         self._copy_group = None
         return sent
 
     # --- checkpoints --------------------------------------------------------------------
+
+    def _new_lead(self) -> Lead:
+        """This replica's lead part: it reads, writes and deletes the run's checkpoints, and records
+        the run's progress, from here on."""
+        return Lead(self._components, self._config, self._faults, self._offers, self._replicas)
 
     def _restore_from_storage(self) -> None:
         """Resume from the newest complete checkpoint, if any (else the state this process built),
@@ -573,37 +547,12 @@ class SurvivingReplicas:
                 self._store.add(restore_progress_key(self._membership.epoch), 1)
 
         with listening_to_progress(publish_progress):
-            plan = self._become_lead()  # the membership's source restores and leads
-            self._goodput.attempt_started(len(self._membership.members))
-            self._faults.fire("restore", 0)
-            loaded = load_newest_loadable(self._storage, plan.candidates, self._components, 0, 1, None)
-        self.step = loaded[1].step if loaded is not None else 0
-        self._durable_step = self.step if loaded is not None else -1
-        if self._policy is not None:
-            self._policy.restored(self.step, loaded[1].interval_steps if loaded is not None else 0)
+            if self._lead is None:
+                self._lead = self._new_lead()
+            self.step = self._lead.restore()
         self._holds_state = True
-        logger.info("Replica %d restored %s (step %d) in %.3fs for replicas %s", self.replica,
-                    loaded[0].path if loaded is not None else "no checkpoint", self.step, time.time() - started,
-                    self._membership.members)
-
-    def _become_lead(self) -> RestorePlan:
-        """Take the run directory's lease (back, when a replica of this run held it;
-        ``RunLeaseHeldError`` when another driver's run holds it) and open its checkpoints: this
-        replica reads, writes and deletes them, and records the run's progress, from here on. The
-        complete checkpoints Ray lacks (a lost lead's, or the one about to be restored) are
-        registered at the next chance; those a lost lead offered are offered again if Ray skipped them."""
-        registered = ray.train.get_checkpoint()
-        plan = self._session.open(registered.path if registered is not None else None)
-        self._attempt = plan.attempt  # the lease's new generation: a lost lead's names are never reused
-        if plan.candidates and plan.candidates[0].step == self.step:  # a lost lead made this step durable
-            self._durable_step = self.step
-        self._storage.clear_local_staging()
-        newer = [(c.step, c.path) for c in reversed(plan.candidates) if c.step > self._ray_step]  # oldest first
-        self._offered = deque(entry for entry in newer if entry[0] <= self._registered_step)  # by a lost lead
-        self._unregistered = deque(entry for entry in newer if entry[0] > self._registered_step)
-        self._goodput = GoodputRecorder(self._storage, 0, log_every=self._goodput_log_every,
-                                        metrics_logger=self._goodput_logger)
-        return plan
+        logger.info("Replica %d restored step %d in %.3fs for replicas %s", self.replica, self.step,
+                    time.time() - started, self._membership.members)
 
     def _finish(self) -> None:
         """The run's end: the lead's final checkpoint durable (:class:`CheckpointSaveError` if it
@@ -623,7 +572,7 @@ class SurvivingReplicas:
             self._change_membership()
         error, to_register, metrics = outcome
         if error is not None:
-            raise CheckpointSaveError(error)
+            raise FinalSaveFailed(error)
         for step in to_register:
             self._register(step, metrics if step == to_register[-1] else None)
         self.finished = True
@@ -632,84 +581,32 @@ class SurvivingReplicas:
         """The lead's part of :meth:`_finish`: the final checkpoint durable, a process of every
         replica up, then the coordinator told the checkpoints to register (the final one last)."""
         try:
-            self._final_save()
-        except CheckpointSaveError as err:
+            metrics = self._lead.finish(self.result_metrics)
+        except FinalSaveFailed as err:
             ray.get(self._coordinator.finish.remote(self.step, str(err), []))
             raise
         # By the connections, not the membership: a replica killed after the last step is still a member,
         # and its replacement waits to join.
         everyone, ray_registered = ray.get(self._coordinator.wait_for_every_replica.remote(FINAL_REPLACEMENT_WAIT_S))
         if ray_registered is not None:
-            self._offer_skipped_again(ray_registered)
-        metrics = {**self.result_metrics, **self._goodput.metrics()}
-        self._goodput.finished(self.step)
-        to_register = [step for step, _ in self._unregistered] if everyone else []
-        if not everyone and self._unregistered:
+            self._offers.skipped_again(ray_registered, self.is_lead)
+        unregistered = self._offers.unregistered
+        to_register = [step for step, _ in unregistered] if everyone else []
+        if not everyone and unregistered:
             logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: a replica "
                            "was still missing %.0f s after the end", self.step, FINAL_REPLACEMENT_WAIT_S)
         ray.get(self._coordinator.finish.remote(self.step, None, to_register, metrics))
-
-    def _final_save(self) -> None:
-        """Save the last step (unless saved) and wait until it is durable. The state is still in
-        memory, so a failed final save is made again, until too many failed in a row
-        (:class:`CheckpointSaveError`)."""
-        self._record_saves(self._session.collect_all())
-        while self._durable_step != self.step:
-            self._save()  # every staging set is free: the saves in flight were collected
-            self._record_saves(self._session.collect_all())
-
-    def _record_saves(self, results: list[SaveResult]) -> None:
-        """Count the lead's finished saves (too many failed in a row raise :class:`CheckpointSaveError`)."""
-        for result in results:
-            if result.ok:
-                self._durable_step, self._last_durable_seconds = result.step, result.durable_seconds
-                self._unregistered.append((result.step, result.path))
-            self._session.outcomes.record(result)
-
-    def _save(self) -> float | None:
-        """The lead's save of this step, deferred a step while both staging sets are being written
-        (the others would wait for it in the next exchange); how long it stalled the loop (None: deferred)."""
-        if not self._session.may_save(self.step):
-            return None
-        started = time.time()
-        interval = self._policy.interval_steps if self._policy is not None else 0
-        state = self._components.state_to_save(TrainState(step=self.step, seed=self.seed, interval_steps=interval), 0)
-        self._session.writer.save(state, self.step, checkpoint_dir_name(self.step, self._attempt))
-        ended = time.time()
-        self._goodput.save(self.step, started, ended)
-        return ended - started
 
     def _register(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         """This replica's part of registering the lead's durable checkpoint of ``step`` with Ray
         (every replica calls it at the same point), reported with ``metrics``."""
         self._faults.fire("register", step)
-        path = None
-        if self.is_lead:
-            offered, path = self._unregistered.popleft()
-            assert offered == step, (offered, step)
-            self._offered.append((offered, path))
-        self._registered_step = step
+        path = self._offers.take(step, self.is_lead)
         self._registrations.submit({**(metrics or {}), "step": step}, path)
-        if self._goodput is not None:
-            self._goodput.registered(step)
-
-    def _offer_skipped_again(self, ray_registered: int) -> None:
-        """Ray had registered the checkpoints up to step ``ray_registered`` as the processes just
-        taken in started: it skipped the registrations offered after it (it resets its report barrier
-        when it replaces a replica, and drops the reports waiting there). The lead offers them again, first."""
-        if self.is_lead:
-            self._unregistered.extendleft(reversed([entry for entry in self._offered if entry[0] > ray_registered]))
-            self._offered.clear()
-        self._ray_step = ray_registered
-        self._registered_step = min(self._registered_step, ray_registered)
+        self._record(EventKind.REGISTERED, step=step)
 
     def _record(self, kind: EventKind, **fields: Any) -> None:
         """A ledger event of the run's progress, recorded by the lead only."""
-        if self._goodput is not None:
-            self._goodput.event(kind, **fields)
+        if self._lead is not None:
+            self._lead.event(kind, **fields)
 
-
-def _step_of(checkpoint: ray.train.Checkpoint | None) -> int:
-    """The step of a checkpoint registered with Ray; -1 for none (or not one of ray_resilient's)."""
-    parsed = parse_checkpoint_dir_name(checkpoint.path.rsplit("/", 1)[-1]) if checkpoint is not None else None
-    return parsed[0] if parsed is not None else -1

@@ -3,8 +3,9 @@
 Each rank reports its progress (:mod:`.progress`) to a watchdog actor outside every rank
 (:mod:`.monitor`), which kills a rank that went silent (stopped, its node lost) or that answers but
 made no progress for longer than it is allowed, so that Ray Train restarts the worker group as for
-a crash; a rank that dies is no hang (Ray restarts the group for it). The :class:`~ray_resilient.Checkpointer`
-runs it (``hang_watchdog=HangWatchdogConfig()``, the default).
+a crash; a rank that dies is no hang (Ray restarts the group for it). The
+:class:`~ray_resilient.Checkpointer` runs it as a lifecycle hook (:mod:`.hook`;
+``CheckpointConfig(hang_watchdog=HangWatchdogConfig())``, the default).
 
 The names in ``__all__`` are the public API; the modules behind them are internal and may change.
 """

@@ -206,10 +206,11 @@ def train_restarting(config: dict[str, Any]) -> None:
     steps, the exact data position); each attempt restores the newest complete checkpoint."""
     worker = Worker(config)
     job = worker.job
-    from ray_resilient.checkpoint import Checkpointer
+    from ray_resilient.checkpoint import CheckpointConfig, Checkpointer
 
-    with Checkpointer(worker.model, worker.optimizer, data=worker.data, interval_steps=job.interval,
-                      mtbf_s=job.mtbf_s, seed=job.seed, faults=job.faults, goodput_logger=None) as ckpt:
+    config = CheckpointConfig(interval_steps=job.interval, mtbf_s=job.mtbf_s, seed=job.seed, faults=job.faults,
+                              goodput_logger=None)
+    with Checkpointer(worker.model, worker.optimizer, data=worker.data, config=config) as ckpt:
         worker.record(RecordKind.RESTORE_START)
         state = ckpt.restore()
         worker.record(RecordKind.RESTORED, step=state.step)
@@ -221,12 +222,14 @@ def train_restarting(config: dict[str, Any]) -> None:
 def train_survivors(config: dict[str, Any]) -> None:
     """Survivor mode: each worker a whole replica, the global batch in one micro-batch per worker;
     the lead checkpoints every ``interval`` steps (the safety net for losing the whole job)."""
+    from ray_resilient.checkpoint import CheckpointConfig
+
     worker = Worker(config, replica=True)
     job = worker.job
     train_replica(worker.model, worker.optimizer, worker.data, worker.record, max_steps=job.max_steps,
                   step_seconds=job.step_seconds, after_step=lambda step, lead: worker.kills.check(step),
-                  micro_batches=worker.world,
-                  seed=job.seed, checkpoint_interval=job.interval, faults=job.faults, goodput_logger=None)
+                  micro_batches=worker.world, config=CheckpointConfig(interval_steps=job.interval, seed=job.seed,
+                                                                      faults=job.faults, goodput_logger=None))
 
 
 def train_replica(model: Any, optimizer: Any, data: Any, record: Recorder, *, max_steps: int, step_seconds: float,
