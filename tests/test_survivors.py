@@ -643,7 +643,7 @@ def test_a_source_stuck_restoring_from_storage_is_given_up_and_the_others_re_for
     gives the membership up (a read stuck would otherwise hang the group, heartbeats green). Once
     replica 0 is back, the two re-form, nobody lost, it copies its state to replica 1, and both
     train every step in their first processes."""
-    from ray_resilient.survivors.replicas import RESTORE_STALL_TIMEOUTS
+    from ray_resilient.survivors.membership import RESTORE_STALL_TIMEOUTS
 
     record, storage = tmp_path / "rec", tmp_path / "storage"
     record.mkdir()

@@ -45,7 +45,7 @@ before the others learned that the run finished, leaves them to re-form: their n
 A worker group starts with one replica restoring the newest complete checkpoint and the others
 copying from it, so every replica starts from one read; a membership left without a replica
 holding state starts the same way. The others wait for that read as long as it gets on; a reader
-that makes no progress for :data:`RESTORE_STALL_TIMEOUTS` x ``timeout_s`` (a read stuck) counts
+that makes no progress for :data:`~.membership.RESTORE_STALL_TIMEOUTS` x ``timeout_s`` (a read stuck) counts
 as lost, and the others re-form.
 """
 
@@ -55,7 +55,6 @@ import datetime
 import functools
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -64,10 +63,8 @@ from typing import Any, Protocol
 import ray
 import ray.train
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ray_resilient._torch_internals import gloo_group
 from ray_resilient.checkpoint.config import CheckpointConfig
 from ray_resilient.checkpoint.state import TrainingComponents, reseed_rng
 from ray_resilient.faults import FaultInjector
@@ -75,22 +72,18 @@ from ray_resilient.goodput.events import EventKind
 from ray_resilient.lifecycle import Lifecycle
 from ray_resilient.spare_workers import SpareWorkerRequest, spares_enabled
 from ray_resilient.storage.run import RunStorage
-from ray_resilient.survivors.coordinator import FINAL_REPLACEMENT_WAIT_S, JOINERS_KEY, Membership, lost_key
+from ray_resilient.survivors.coordinator import FINAL_REPLACEMENT_WAIT_S, Membership
 from ray_resilient.survivors.exchange import CONTROLS, MicroBatchExchange
 from ray_resilient.survivors.lead import FinalSaveFailed, Lead
-from ray_resilient.survivors.liveness import LivenessLink
+from ray_resilient.survivors.membership import RESTORE_PROGRESS_EVERY_S, FormationError, MembershipLink
 from ray_resilient.survivors.registrations import Offers, Registrations
-from ray_resilient.survivors.state_copy import receive_state, send_state
 from ray_resilient.tracking import resolve_metrics_logger
 from ray_resilient.watchdog.progress import listening_to_progress
 
 logger = logging.getLogger(__name__)
 
 LossOf = Callable[[int, int], torch.Tensor]
-LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
 MAX_REFORMS_WITHOUT_A_STEP = 10  # then the replica fails instead of re-forming again (no livelock)
-RESTORE_STALL_TIMEOUTS = 10  # x timeout_s: a source restoring without progress that long is taken as lost
-RESTORE_PROGRESS_EVERY_S = 1.0  # how often a source restoring from storage tells the others it gets on
 
 
 class MicroBatchSource(Protocol):
@@ -102,30 +95,6 @@ class MicroBatchSource(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def restored_key(epoch: int) -> str:
-    """Set once the source of membership ``epoch`` restored from storage."""
-    return f"membership{epoch}/restored"
-
-
-def restore_progress_key(epoch: int) -> str:
-    """The progress the source of membership ``epoch`` made restoring from storage (a count)."""
-    return f"membership{epoch}/restore_progress"
-
-
-def lead_step_key(epoch: int) -> str:
-    """The steps the lead of membership ``epoch`` has begun (the last one's number + 1), in the
-    coordinator's store."""
-    return f"lead_step/{epoch}"
-
-
-class ReplicaLostError(RuntimeError):
-    """A member of this replica's membership is gone (or another member found one gone)."""
-
-
-class FormationError(RuntimeError):
-    """This replica could not form its membership's group (a member it cannot reach)."""
 
 
 class SurvivingReplicas:
@@ -165,7 +134,7 @@ class SurvivingReplicas:
             replica still sends its heartbeats (a partition between two replicas); a replica that
             stops answering altogether is dropped sooner (:mod:`.liveness`). Work the lead alone
             does between steps is not bounded by it (see the module docstring); a restore from
-            storage that makes no progress is, by :data:`RESTORE_STALL_TIMEOUTS` times it.
+            storage that makes no progress is, by :data:`~.membership.RESTORE_STALL_TIMEOUTS` times it.
         config: the lead's checkpoints, as the mainline's
             (:class:`~ray_resilient.checkpoint.CheckpointConfig`): the interval (a preemption
             answered by a save too), the seed (RNG streams per micro-batch are derived from it), the
@@ -221,25 +190,15 @@ class SurvivingReplicas:
         self._lifecycle = Lifecycle([SpareWorkerRequest()] if spares_enabled() else [])  # this replica's hooks
         self._offers = Offers(storage)
         self._registrations = Registrations(storage.filesystem)
-        self._membership: Membership | None = None
-        self._group: Any = None
-        self._copy_group: Any = None  # the source's and the replicas' behind it, while it copies
+        self._membership: Membership | None = None  # the one this replica took (its link's once formed)
         self._reforms_without_a_step = 0
-        self._formation_failed = False  # this replica could not form the membership it last took
         self._holds_state = False  # restored from storage, or copied from a replica that held it
-        self._abandoned: list[Any] = []  # gloo groups left inside a collective with a lost replica
 
     # --- lifecycle ----------------------------------------------------------------------
 
     def __enter__(self) -> "SurvivingReplicas":
-        from ray_resilient.survivors.backend import coordinator
-
-        self._coordinator = coordinator()
-        host, store_port, live_port = ray.get(self._coordinator.start.remote())
-        self._store = dist.TCPStore(host, store_port, is_master=False, timeout=self.timeout)
-        self._node_ip = ray.util.get_node_ip_address()
-        self._live = LivenessLink(host, live_port, self.replica, self._token)
-        membership = ray.get(self._coordinator.join.remote(self.replica, self._token, self._offers.registered_step))
+        self._link = MembershipLink(self.replica, self._token, self.timeout, self._faults)
+        membership = self._link.join(self._offers.registered_step)
         if membership.finished:
             self.step, self.finished = membership.step, True
             return self
@@ -260,7 +219,7 @@ class SurvivingReplicas:
                 self._registrations.close()
             if self._lead is not None:
                 self._lead.close(error)
-            self._live.close()
+            self._link.close()
 
     # --- training -----------------------------------------------------------------------
 
@@ -297,15 +256,15 @@ class SurvivingReplicas:
         while True:
             started = time.time()
             if self.is_lead:
-                self._store.set(lead_step_key(self._membership.epoch), str(self.step + 1))
+                self._link.lead_begins(self.step)
             controls = self._gradients(loss_of)
             try:
                 if self._faults.unreachable:  # an injected partition: what gloo would find, at once
-                    self._raise_if_cut_off()
+                    self._link.raise_if_cut_off()
                 if not self.is_lead:
-                    self._wait_for_the_lead()
-                reduced, controls = self._exchange.reduce(self._group, self._membership.rank(self.replica), controls,
-                                                          self._wait)
+                    self._link.wait_for_the_lead(self.step)
+                reduced, controls = self._exchange.reduce(self._link.group, self._membership.rank(self.replica),
+                                                          controls, self._link.wait)
             except RuntimeError as err:  # a replica is gone: gloo's connections to it broke, or the coordinator says
                 logger.warning("Step %d dropped on %d replicas (%s); continuing without the lost one",
                                self.step + 1, self.world_size, str(err).splitlines()[0][:200])
@@ -356,7 +315,7 @@ class SurvivingReplicas:
         self._set_buffers(start)
         if self.is_lead and self._offers.unregistered and self.world_size == self._replicas:
             controls[0] = 1 + self._offers.unregistered[0][0]
-        if rank == 0 and self._store.check([JOINERS_KEY]):
+        if rank == 0 and self._link.joiners_waiting():
             controls[1] = 1
         return controls
 
@@ -396,50 +355,37 @@ class SurvivingReplicas:
             if self._reforms_without_a_step > MAX_REFORMS_WITHOUT_A_STEP:
                 raise RuntimeError(f"replica {self.replica} re-formed its group {MAX_REFORMS_WITHOUT_A_STEP} times "
                                    f"without training a step (at step {self.step}): giving up rather than looping")
-            membership = ray.get(self._coordinator.reform.remote(self._membership.epoch, self._token, self.step,
-                                                                 self._holds_state, self._formation_failed))
-            if self._take(membership):
+            if self._take(self._link.reform(self.step, self._holds_state)):
                 return
 
     def _take(self, membership: Membership) -> bool:
         """Enter ``membership`` (restoring from storage first when that is this replica's part);
         False when a replica was lost while its group formed."""
         previous, self._membership = self._membership, membership
-        started = time.time()
         if membership.ray_registered is not None:
             self._offers.skipped_again(membership.ray_registered, self.is_lead)
+        self._link.membership = membership
         if membership.from_storage and membership.source == self.replica:
             self._restore_from_storage()
-            self._store.set(restored_key(membership.epoch), "1")
+            self._link.restored()
         try:
             if membership.from_storage:
-                self._wait_for_the_restore()
-            self._enter(membership, previous, started)
+                self._link.wait_for_the_restore()
+            self._enter(membership, previous)
             return True
         except RuntimeError as err:  # gloo's error, ReplicaLostError or FormationError
             logger.warning("Membership %d lost a replica as it formed (%s)", membership.epoch,
                            str(err).splitlines()[0][:200])
-            self._formation_failed = isinstance(err, FormationError)
+            self._link.formation_failed = isinstance(err, FormationError)
             return False
 
-    def _enter(self, membership: Membership, previous: Membership | None, started: float) -> None:
-        """Form ``membership``'s gloo group; bring the members behind its source up to date (a
-        restore from storage, from ``started``, when the source read the state from there)."""
+    def _enter(self, membership: Membership, previous: Membership | None) -> None:
+        """Form ``membership``'s gloo group (taking over as the lead from a lost one, if this replica
+        is its lead now); bring the members behind its source up to date."""
         if self.is_lead and self._lead is None:  # the lead was lost: this replica takes over
             self._lead = self._new_lead()
             self._lead.take_over(self.step)
-        self._formation_failed = False
-        store = dist.PrefixStore(f"membership{membership.epoch}/", self._store)
-        try:
-            self._group = gloo_group(store, membership.rank(self.replica), len(membership.members), self.timeout,
-                                     self._node_ip)
-        except RuntimeError as err:
-            raise FormationError(f"replica {self.replica} could not form membership {membership.epoch}'s group: "
-                                 f"{str(err).splitlines()[0][:200]}") from err
-        self._faults.unreachable &= set(membership.members)  # an injected partition ends with a side leaving
-        if self._faults.unreachable:
-            self._abandoned.append(self._group)
-            raise FormationError(f"replica {self.replica} cannot reach replicas {sorted(self._faults.unreachable)}")
+        self._link.form(membership)
         copy_started = time.time()
         sent = self._copy_state() if membership.behind else 0
         if membership.behind and not membership.from_storage:  # a replacement copying from a live replica
@@ -450,79 +396,17 @@ class SurvivingReplicas:
                          lost=sorted(set(previous.members) - set(membership.members)),
                          joined=sorted(set(membership.members) - set(previous.members)))
 
-    def _wait_for_the_restore(self) -> None:
-        """Wait until the membership's source restored from storage, however long that takes while
-        it gets on (taking over a dead driver's lease alone can take its TTL; a group's formation
-        would time out): :class:`ReplicaLostError` once it made no progress (its reads, its lease's
-        watch) for :data:`RESTORE_STALL_TIMEOUTS` x ``timeout_s`` (a read stuck), or a member is lost."""
-        epoch = self._membership.epoch
-        allowance = RESTORE_STALL_TIMEOUTS * self.timeout.total_seconds()
-        progress, since = -1, time.monotonic()
-        while True:
-            self._raise_if_lost()
-            if self._store.check([restored_key(epoch)]):
-                return
-            if (now := self._store.add(restore_progress_key(epoch), 0)) != progress:
-                progress, since = now, time.monotonic()
-            elif time.monotonic() - since > allowance:
-                raise ReplicaLostError(f"replica {self._membership.source} made no progress restoring from storage "
-                                       f"for {allowance:.0f} s")
-            time.sleep(LOST_POLL_S)
-
-    def _wait(self, work: Any) -> None:
-        """Wait for a collective of this membership; :class:`ReplicaLostError` as soon as the
-        coordinator marks a member lost, while the collective may still be waiting for it."""
-        done = threading.Event()
-        work.get_future().add_done_callback(lambda _: done.set())
-        while not done.wait(LOST_POLL_S):
-            self._raise_if_lost()
-        work.wait()  # raises gloo's error, if the collective failed
-
-    def _raise_if_cut_off(self) -> None:
-        cut_off = self._faults.unreachable & set(self._membership.members)
-        if cut_off:
-            raise RuntimeError(f"replica {self.replica} cannot reach replicas {sorted(cut_off)}")
-
-    def _wait_for_the_lead(self) -> None:
-        """Wait until the lead has begun this step (it may have worked alone since the last one);
-        :class:`ReplicaLostError` if a member is lost meanwhile."""
-        key = lead_step_key(self._membership.epoch)
-        while self._store.add(key, 0) <= self.step:  # one round trip when the lead is not behind
-            self._raise_if_lost()
-            time.sleep(LOST_POLL_S)
-
-    def _raise_if_lost(self) -> None:
-        if self._store.check([lost_key(self._membership.epoch)]):
-            # The groups stay referenced: destroying one would wait for the abandoned collective.
-            self._abandoned += [group for group in (self._group, self._copy_group) if group is not None]
-            raise ReplicaLostError(f"membership {self._membership.epoch} lost a replica")
-
     def _copy_state(self) -> int:
-        """The source sends its state to the members behind it (:mod:`.state_copy`), which take it;
-        the others wait until it was sent. Returns the bytes sent to each."""
-        membership = self._membership
-        copied = f"membership{membership.epoch}/copied"
-        copiers = (membership.source, *membership.behind)
-        if self.replica not in copiers:
-            while not self._store.check([copied]):
-                self._raise_if_lost()
-                time.sleep(LOST_POLL_S)
-            return 0
-        store = dist.PrefixStore(f"membership{membership.epoch}/copy/", self._store)
-        self._copy_group = gloo_group(store, copiers.index(self.replica), len(copiers), self.timeout, self._node_ip)
-        if self.replica == membership.source:
-            state = {"state": self._components.shared_state(), "step": self.step}
-            sent = send_state(self._copy_group, state, self._wait,
-                              before_tensors=lambda: self._faults.fire("copy", self.step))
-            self._store.set(copied, "1")
-        else:
+        """Bring the members behind the membership's source up to date from its memory; the bytes
+        sent to each."""
+        receiving = self.replica in self._membership.behind
+        if receiving:
             self._holds_state = False  # its own state is overwritten from here on
-            received = receive_state(self._copy_group, {"state": self._components.shared_state()}, self._wait)
+        received, self.step, sent = self._link.copy_state({"state": self._components.shared_state()}, self.step)
+        if received is not None:
             self._components.load_shared_state(received["state"])
-            self.step = received["step"]
+        if receiving:
             self._holds_state = True
-            sent = 0
-        self._copy_group = None
         return sent
 
     # --- checkpoints --------------------------------------------------------------------
@@ -544,7 +428,7 @@ class SurvivingReplicas:
             nonlocal published
             if time.monotonic() - published >= RESTORE_PROGRESS_EVERY_S:
                 published = time.monotonic()
-                self._store.add(restore_progress_key(self._membership.epoch), 1)
+                self._link.restore_progress()
 
         with listening_to_progress(publish_progress):
             if self._lead is None:
@@ -564,7 +448,7 @@ class SurvivingReplicas:
         while True:
             if self.is_lead and not self.finished:
                 self._finish_as_lead()
-            outcome = ray.get(self._coordinator.wait_finished.remote())
+            outcome = ray.get(self._link.coordinator.wait_finished.remote())
             if outcome is not None:
                 break
             # The lead was lost before it finished: the replicas left (all past the last step) re-form,
@@ -583,11 +467,12 @@ class SurvivingReplicas:
         try:
             metrics = self._lead.finish(self.result_metrics)
         except FinalSaveFailed as err:
-            ray.get(self._coordinator.finish.remote(self.step, str(err), []))
+            ray.get(self._link.coordinator.finish.remote(self.step, str(err), []))
             raise
         # By the connections, not the membership: a replica killed after the last step is still a member,
         # and its replacement waits to join.
-        everyone, ray_registered = ray.get(self._coordinator.wait_for_every_replica.remote(FINAL_REPLACEMENT_WAIT_S))
+        coordinator = self._link.coordinator
+        everyone, ray_registered = ray.get(coordinator.wait_for_every_replica.remote(FINAL_REPLACEMENT_WAIT_S))
         if ray_registered is not None:
             self._offers.skipped_again(ray_registered, self.is_lead)
         unregistered = self._offers.unregistered
@@ -595,7 +480,7 @@ class SurvivingReplicas:
         if not everyone and unregistered:
             logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: a replica "
                            "was still missing %.0f s after the end", self.step, FINAL_REPLACEMENT_WAIT_S)
-        ray.get(self._coordinator.finish.remote(self.step, None, to_register, metrics))
+        ray.get(self._link.coordinator.finish.remote(self.step, None, to_register, metrics))
 
     def _register(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         """This replica's part of registering the lead's durable checkpoint of ``step`` with Ray
