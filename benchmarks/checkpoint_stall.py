@@ -86,7 +86,8 @@ import ray.train
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ray.train import Checkpoint, CheckpointConfig, CheckpointUploadMode, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointUploadMode, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig as RayCheckpointConfig
 from ray.train.torch import TorchTrainer, prepare_model
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -333,7 +334,7 @@ def run_trainer(workers: int, methods: tuple[str, ...], args: argparse.Namespace
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(storage_path=storage, name=f"checkpoint_stall_{workers}w",
-                             checkpoint_config=CheckpointConfig(num_to_keep=args.keep)),
+                             checkpoint_config=RayCheckpointConfig(num_to_keep=args.keep)),
     )
     trainer.fit()
     with open(results) as f:
