@@ -116,8 +116,8 @@ def measure(config: dict) -> None:
         return CheckpointStorage(fs, run, f"{root}/{local}")
 
     started = time.monotonic()
-    config = CheckpointConfig(storage=node("checkpointer"), goodput_logger=None, hang_watchdog=None)
-    with Checkpointer(model, optimizer, config=config) as checkpointer:
+    checkpoints = CheckpointConfig(storage=node("checkpointer"), goodput_logger=None, hang_watchdog=None)
+    with Checkpointer(model, optimizer, config=checkpoints) as checkpointer:
         checkpointer.restore()
     checkpointer_seconds = time.monotonic() - started
     path = list_checkpoints(fs, run)[-1].path

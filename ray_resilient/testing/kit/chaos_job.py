@@ -208,9 +208,9 @@ def train_restarting(config: dict[str, Any]) -> None:
     job = worker.job
     from ray_resilient.checkpoint import CheckpointConfig, Checkpointer
 
-    config = CheckpointConfig(interval_steps=job.interval, mtbf_s=job.mtbf_s, seed=job.seed, faults=job.faults,
-                              goodput_logger=None)
-    with Checkpointer(worker.model, worker.optimizer, data=worker.data, config=config) as ckpt:
+    checkpoints = CheckpointConfig(interval_steps=job.interval, mtbf_s=job.mtbf_s, seed=job.seed, faults=job.faults,
+                                   goodput_logger=None)
+    with Checkpointer(worker.model, worker.optimizer, data=worker.data, config=checkpoints) as ckpt:
         worker.record(RecordKind.RESTORE_START)
         state = ckpt.restore()
         worker.record(RecordKind.RESTORED, step=state.step)
