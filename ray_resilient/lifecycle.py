@@ -142,8 +142,13 @@ class Lifecycle:
             return None
         if len(self._ticking) == 1:
             return self._ticking[0]
-        ticks = self._ticking
-        return lambda: [tick() for tick in ticks] and None
+        ticking = self._ticking
+
+        def tick() -> None:
+            for each in ticking:
+                each()
+
+        return tick
 
     def step_finished(self, step: int) -> None:
         for hook in self.hooks:

@@ -68,7 +68,6 @@ class Checkpointer:
                                     world_size=context.get_world_size(),
                                     registrar=RayReportRegistrar(storage),
                                     hooks=[*watchdog, *spares, *hooks])
-        self.rank = self._loop.rank
 
     @property
     def status(self) -> CheckpointStatus:

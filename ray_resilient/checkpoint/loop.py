@@ -124,7 +124,6 @@ class CheckpointLoop:
     def __init__(self, components: TrainingComponents, config: CheckpointConfig, *, rank: int, world_size: int,
                  registrar: Registrar, hooks: Sequence[LifecycleHook] = (), faults: FaultInjector | None = None,
                  step_faults: bool = True, recorded_world_size: int | None = None):
-        self._config = config
         self._components = components
         self.rank, self.world_size = rank, world_size
         self._registrar = registrar
@@ -405,7 +404,7 @@ class CheckpointLoop:
         """
         if wait:
             with self._lifecycle.holding("waiting for saves to be durable",
-                                         self._config.save_timeout_s + SAVE_WAIT_SLACK_S):
+                                         self._session.save_timeout_s + SAVE_WAIT_SLACK_S):
                 results = self._session.collect_all()
         else:
             finished = smallest_on_any_rank(self._control, self._session.finished()) if self._session.in_flight else 0
