@@ -198,6 +198,13 @@ class BackgroundMetrics:
                 self._queue.task_done()
 
 
+def check_metrics_logger(setting: MetricsLogger | str | None, knob: str = "a metrics logger") -> None:
+    """``ValueError`` naming ``knob`` unless ``setting`` is ``"mlflow"``, a callable or None."""
+    if isinstance(setting, str) and setting != "mlflow" or not (setting is None or isinstance(setting, str)
+                                                                or callable(setting)):
+        raise ValueError(f"{knob} is 'mlflow', a callable (metrics, step) or None; got {setting!r}")
+
+
 def resolve_metrics_logger(setting: MetricsLogger | str | None, *, prefix: str, name: str,
                            enabled: bool = True) -> MetricsLogger | None:
     """The logger a ``metrics_logger`` / ``goodput_logger`` setting names, checked at construction.
@@ -207,9 +214,7 @@ def resolve_metrics_logger(setting: MetricsLogger | str | None, *, prefix: str, 
     ``(metrics, step)`` as is; None logs nothing. ``enabled=False`` (ranks other than 0) checks
     the setting and returns None.
     """
-    if isinstance(setting, str) and setting != "mlflow" or not (setting is None or isinstance(setting, str)
-                                                                or callable(setting)):
-        raise ValueError(f"a metrics logger is 'mlflow', a callable (metrics, step) or None; got {setting!r}")
+    check_metrics_logger(setting)
     if not enabled or setting is None:
         return None
     if setting == "mlflow":

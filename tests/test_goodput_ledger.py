@@ -124,7 +124,7 @@ def test_the_live_figures_count_slow_steps_as_the_ledger_does(tmp_path):
 
     fs, run_dir = pafs.LocalFileSystem(), str(tmp_path / "runs" / "slowed")
     write_slowed_run(fs, run_dir, str(tmp_path / "spool"))
-    recorder = GoodputRecorder(RunStorage(fs, run_dir, str(tmp_path / "local")), 0, metrics_logger=None)
+    recorder = GoodputRecorder(RunStorage(fs, run_dir, str(tmp_path / "local")), 0)
     recorder.restored(time.time(), 30)
     now = time.time()
     for step in range(31, 36):  # the run goes on with 5 steps of 3 s
@@ -217,7 +217,7 @@ def test_a_full_disk_under_the_spool_loses_events_counted_and_training_goes_on(t
 
     fs = pafs.SubTreeFileSystem(str(tmp_path / "bucket"), pafs.LocalFileSystem())  # remote: a local spool
     spool = tmp_path / "spool"
-    recorder = GoodputRecorder(RunStorage(fs, "run", str(spool)), 0, metrics_logger=None)
+    recorder = GoodputRecorder(RunStorage(fs, "run", str(spool)), 0)
     recorder.attempt_started(1)
     recorder.restored(time.time(), 0)
     descriptor = open_descriptor(str(spool))
@@ -295,8 +295,7 @@ def test_stray_files_and_lines_in_the_ledger_are_skipped_naming_them(local_run, 
         assert name in warned, name
     assert warned.count("1733000000000000000-rank0-9.jsonl") == len(bad_lines)
 
-    recorder = GoodputRecorder(RunStorage(pafs.LocalFileSystem(), local_run, str(tmp_path / "local")), 0,
-                               metrics_logger=None)
+    recorder = GoodputRecorder(RunStorage(pafs.LocalFileSystem(), local_run, str(tmp_path / "local")), 0)
     recorder.restored(time.time(), 5)  # what a restore of this run does
     assert 0 < recorder.metrics()["goodput"] < 1
     recorder.close()
@@ -441,14 +440,30 @@ def test_plan_from_run_takes_the_measured_costs_and_options_override_them(local_
     assert json.loads(capsys.readouterr().out)["restart_s"] == 60
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_misspelt_goodput_logger_is_refused_at_construction_on_every_rank(tmp_path, rank):
-    from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
+@pytest.mark.parametrize("failed", [False, True])
+def test_live_goodput_is_logged_every_n_steps_and_once_more_at_a_clean_end(failed):
+    """The hook logs the figures as they are at each multiple of its interval, none before the
+    restore accounted the ledger (empty figures), and the final ones only when the attempt ends
+    cleanly."""
+    from ray_resilient.goodput.live_log import LiveGoodputLog
 
-    storage = RunStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), str(tmp_path / "local"))
-    with pytest.raises(ValueError, match="'mlflow', a callable .* got 'mlfow'"):
-        GoodputRecorder(storage, rank, metrics_logger="mlfow")
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+    logged: list[tuple[dict, int]] = []
+    figures: dict[str, float] = {}
+    hook = LiveGoodputLog(lambda: dict(figures), lambda metrics, step: logged.append((metrics, step)), every=3)
+    hook.step_finished(3)  # before the restore accounted the ledger: nothing to log
+    for step in range(4, 11):
+        figures["goodput"] = step / 100
+        hook.step_finished(step)
+    hook.attempt_ended(failed=failed)
+    expected = [({"goodput": 0.06}, 6), ({"goodput": 0.09}, 9)] + ([] if failed else [({"goodput": 0.1}, 10)])
+    assert logged == expected
+
+
+def test_a_misspelt_goodput_logger_is_refused_by_the_config_before_any_loop_starts():
+    from ray_resilient.checkpoint import CheckpointConfig
+
+    with pytest.raises(ValueError, match="goodput_logger is 'mlflow', a callable .* got 'mlfow'"):
+        CheckpointConfig(goodput_logger="mlfow")
 
 
 def test_the_report_names_each_hang_and_a_step_declared_again():
@@ -476,7 +491,7 @@ def run_with_restores(storage: RunStorage) -> None:
     from ray_resilient.checkpoint.goodput_recorder import GoodputRecorder
 
     def recorder(rank: int = 0):
-        return GoodputRecorder(storage, rank, metrics_logger=None)
+        return GoodputRecorder(storage, rank)
 
     driver = LedgerWriter(storage, -1)
     driver.record("job_start", t=0.0)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from ray_resilient.checkpoint.lease import TTL_S
 from ray_resilient.checkpoint.storage import CheckpointStorage
-from ray_resilient.tracking import MetricsLogger
+from ray_resilient.tracking import MetricsLogger, check_metrics_logger
 from ray_resilient.watchdog.progress import HangWatchdogConfig
 
 
@@ -60,7 +60,8 @@ class CheckpointConfig:
             fetches, each sample the data loader reads and each failed read it retries, each step and
             ``progress(phase)``. At a step where an earlier attempt was declared hung, the allowance
             doubles. None: only Ray's worker health check (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
-            Survivor mode drops a replica that stops answering by its own liveness link instead.
+            Survivor mode drops a replica that stops answering by its heartbeats to the membership
+            coordinator instead (the same transport, :mod:`ray_resilient.heartbeats`).
     """
 
     interval_steps: int | Literal["auto"] | None = 100
@@ -90,6 +91,7 @@ class CheckpointConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_metrics_logger(self.goodput_logger, "goodput_logger")
         for name in ("save_timeout_s", "lease_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

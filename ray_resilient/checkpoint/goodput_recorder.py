@@ -1,5 +1,5 @@
-"""What a checkpointer (or survivor mode's lead) records into the goodput ledger, and the live
-goodput it logs to MLflow.
+"""What a checkpointer (or survivor mode's lead) records into the goodput ledger, and the run's
+live goodput (logged by :class:`~ray_resilient.goodput.live_log.LiveGoodputLog`, a lifecycle hook).
 
 Rank 0 records the attempt, its restore, every step and save; other ranks only their failures.
 On rank 0 the breakdown is kept up to date as the loop runs: at the restore (or when survivor
@@ -20,11 +20,8 @@ from ray_resilient.goodput.accounting import PARTS, Breakdown
 from ray_resilient.goodput.events import EventKind
 from ray_resilient.goodput.ledger import Ledger, LedgerWriter, read_ledger, store_summaries
 from ray_resilient.storage.run import RunStorage
-from ray_resilient.tracking import BackgroundMetrics, MetricsLogger, resolve_metrics_logger
 
 logger = logging.getLogger(__name__)
-
-FINAL_METRICS_WAIT_S = 10.0  # close() waits this long for the final goodput figures to reach MLflow
 
 
 class GoodputRecorder:
@@ -33,20 +30,12 @@ class GoodputRecorder:
     Args:
         storage: the run's storage (the ledger lives in its run directory).
         rank: this worker's.
-        log_every: steps between two calls of ``metrics_logger`` (rank 0).
-        metrics_logger: ``"mlflow"``, a callable ``(goodput metrics, step)`` or None (see
-            :func:`~ray_resilient.tracking.resolve_metrics_logger`); MLflow is logged to from a
-            background thread, never blocking or failing the loop.
         window: steps of the rolling goodput.
     """
 
-    def __init__(self, storage: RunStorage, rank: int, *, log_every: int = 50,
-                 metrics_logger: MetricsLogger | str | None = "mlflow", window: int = 100):
+    def __init__(self, storage: RunStorage, rank: int, *, window: int = 100):
         self.rank = rank
         self._storage = storage
-        self._log_every = log_every
-        self._metrics_logger = resolve_metrics_logger(metrics_logger, prefix="goodput/", name="goodput",
-                                                      enabled=rank == 0)
         self._writer = LedgerWriter(storage, rank)
         self._live: Breakdown | None = None
         self._start = time.time()
@@ -102,8 +91,6 @@ class GoodputRecorder:
             self._live.data_wait += wait
             self._live.steps_kept += 1
             self._window.append((t_start, t_end, duration - wait))
-            if self._metrics_logger is not None and step % self._log_every == 0:
-                self._log(step)
 
     def save(self, step: int, t_start: float, t_end: float) -> None:
         if self.rank != 0:
@@ -132,8 +119,6 @@ class GoodputRecorder:
     def finished(self, step: int) -> None:
         if self.rank == 0:
             self._writer.record(EventKind.FINISH, step=step)
-            if self._metrics_logger is not None and self._live is not None:
-                self._log(step)  # the final figures
 
     def breakdown(self) -> Breakdown | None:
         """The run's breakdown until now (rank 0, after the restore), else None."""
@@ -157,12 +142,7 @@ class GoodputRecorder:
             metrics["goodput_rolling"] = sum(p for _, _, p in self._window) / span if span > 0 else 0.0
         return metrics
 
-    def _log(self, step: int) -> None:
-        self._metrics_logger(self.metrics(), step)
-
     def close(self) -> None:
-        if isinstance(self._metrics_logger, BackgroundMetrics):
-            self._metrics_logger.flush(FINAL_METRICS_WAIT_S)
         self._writer.close()
         if self._writer.spool_errors:
             logger.warning("%d events of this process were lost from the goodput ledger (its spool could not be "

@@ -46,7 +46,9 @@ from ray_resilient.checkpoint.storage import CheckpointStorage
 from ray_resilient.checkpoint.writer import SaveResult
 from ray_resilient.faults import FaultInjector
 from ray_resilient.goodput.events import EventKind
+from ray_resilient.goodput.live_log import LiveGoodputLog
 from ray_resilient.lifecycle import STARTUP, Attempt, DataWaitSource, Lifecycle, LifecycleHook
+from ray_resilient.tracking import resolve_metrics_logger
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +139,7 @@ class CheckpointLoop:
         self._step_faults = step_faults
         self._recorded_world_size = recorded_world_size or world_size
         self.train_state = TrainState(world_size=world_size, seed=config.seed)
-        self._goodput = GoodputRecorder(self._storage, rank, log_every=config.goodput_log_every,
-                                        metrics_logger=config.goodput_logger)
+        self._goodput = GoodputRecorder(self._storage, rank)
         self._session = CheckpointSession(self._storage, rank, self._faults, staging_buffers=config.staging_buffers,
                                           write_threads=config.write_threads,
                                           max_failed_saves_in_a_row=config.max_failed_saves_in_a_row,
@@ -148,6 +149,10 @@ class CheckpointLoop:
         # start): the writer's group is busy on its thread, and the training group may be NCCL.
         multi_rank = world_size > 1 and dist.is_available() and dist.is_initialized()
         self._control = dist.new_group(backend="gloo") if multi_rank else None
+        live_log = resolve_metrics_logger(config.goodput_logger, prefix="goodput/", name="goodput",
+                                          enabled=rank == 0)
+        if live_log is not None:
+            hooks = [*hooks, LiveGoodputLog(self._goodput.metrics, live_log, config.goodput_log_every)]
         self._lifecycle = Lifecycle(hooks)
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps

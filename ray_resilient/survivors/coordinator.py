@@ -2,11 +2,11 @@
 
 One async Ray actor per worker group, owned by Ray Train's controller (created by the survivor
 backend), so it outlives any replica. It hosts the ``TCPStore`` the replicas rendezvous their
-gloo groups on, and a TCP server each replica keeps one connection to, sending a heartbeat on it
-(:mod:`.liveness`). A replica process that dies (SIGKILL, OOM) closes that connection, so
-the coordinator knows at once; one that stops answering without dying (SIGSTOP, a hang that holds
+gloo groups on, and a TCP server each replica keeps one connection to, sending heartbeats on it (a
+:class:`~ray_resilient.heartbeats.HeartbeatLink`). A replica process that dies (SIGKILL, OOM) closes
+that connection, so the coordinator knows at once; one that stops answering without dying (SIGSTOP, a hang that holds
 the interpreter, a lost node or a partition that sends no FIN) is dropped once silent past the
-:class:`~ray_resilient.watchdog.silence.SilenceRule` of the heartbeats the coordinator hears (2 s on
+:class:`~ray_resilient.heartbeats.SilenceRule` of the heartbeats the coordinator hears (2 s on
 a quiet machine), where an idle connection would wait for gloo's timeout and more.
 
 A *membership* (an epoch number, the replica ids in it, the step it starts from) changes when a
@@ -47,8 +47,8 @@ from typing import Any
 
 import ray
 
-from ray_resilient.survivors.liveness import watch_heartbeats
-from ray_resilient.watchdog.silence import SilenceRule
+from ray_resilient.heartbeats import SilenceRule, read_hello, watch_heartbeats
+from ray_resilient.survivors.run_end import RunEnd
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +128,7 @@ class MembershipCoordinator:
         self._reports: dict[str, Report] = {}  # token -> its report, for the membership being changed
         self._joiners: dict[int, str] = {}  # replica id -> token of replacements waiting
         self._ray_registered: dict[str, int] = {}  # joiner's token -> Ray's newest registered step at its start
-        self._finished_step: int | None = None
-        self._final_error: str | None = None  # the lead's final save failed
-        self._final_registrations: list[int] = []  # the steps of the checkpoints every replica registers at the end
-        self._final_metrics: dict[str, Any] = {}  # reported with the last of them
+        self._end: RunEnd | None = None  # the lead's report once it trained the last step
 
     async def start(self) -> tuple[str, int, int]:
         """Start the store and the liveness server; their host, store port and liveness port."""
@@ -146,12 +143,15 @@ class MembershipCoordinator:
 
     async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One replica's connection: its token, then heartbeats until the process is gone or silent."""
-        line = await reader.readline()
-        replica, token = line.decode().split()
+        hello = await read_hello(reader)
+        if hello is None:
+            writer.close()
+            return
+        replica, token = hello["replica"], hello["token"]
         async with self._changed:
             self._connected[token] = int(replica)
             self._changed.notify_all()
-        how = await watch_heartbeats(reader, self._silence)
+        how = (await watch_heartbeats(reader, self._silence)).how
         writer.close()  # a silent replica that wakes up finds it was dropped
         async with self._changed:
             del self._connected[token]
@@ -166,7 +166,7 @@ class MembershipCoordinator:
         registered (``get_checkpoint()``): the first membership, or the next one that takes it in."""
         async with self._changed:
             await self._changed.wait_for(lambda: token in self._connected)
-            if self._finished_step is not None:
+            if self._end is not None:
                 return self._finished_membership()
             self._ray_registered[token] = ray_registered
             if self._current is None:  # the worker group's first start: all replicas together
@@ -182,12 +182,12 @@ class MembershipCoordinator:
             self._changed.notify_all()  # a lead waiting for every replica at the run's end
             try:
                 await asyncio.wait_for(self._changed.wait_for(
-                    lambda: self._current.epoch > epoch or self._finished_step is not None), JOIN_TIMEOUT_S)
+                    lambda: self._current.epoch > epoch or self._end is not None), JOIN_TIMEOUT_S)
             except asyncio.TimeoutError:
                 self._joiners.pop(replica, None)
                 raise RuntimeError(f"replica {replica} waited {JOIN_TIMEOUT_S:.0f} s to be taken in: the live "
                                    "replicas never reached a step boundary") from None
-            if self._finished_step is not None:
+            if self._end is not None:
                 return self._finished_membership()
             return self._current
 
@@ -218,14 +218,11 @@ class MembershipCoordinator:
                 raise RuntimeError(f"replica {token} was dropped from membership {epoch}; it must restart")
             return self._current
 
-    async def finish(self, step: int, error: str | None, registrations: list[int],
-                     metrics: dict[str, Any] | None = None) -> None:
-        """The lead trained the last step and made its final checkpoint durable (or not: ``error``),
-        and every member registers the checkpoints of ``registrations`` with Ray, the last with
-        ``metrics``: replacements still starting have nothing to join."""
+    async def finish(self, end: RunEnd) -> None:
+        """The lead trained the last step: every member passes ``end`` on (:meth:`wait_finished`),
+        and replacements still starting have nothing to join."""
         async with self._changed:
-            self._finished_step, self._final_error, self._final_registrations = step, error, registrations
-            self._final_metrics = dict(metrics or {})
+            self._end = end
             self._changed.notify_all()
 
     async def wait_for_every_replica(self, timeout_s: float) -> tuple[bool, int | None]:
@@ -245,17 +242,14 @@ class MembershipCoordinator:
                 everyone = False
             return everyone, self._newest_registered(self._joiners.values())
 
-    async def wait_finished(self) -> tuple[str | None, list[int], dict[str, Any]] | None:
+    async def wait_finished(self) -> RunEnd | None:
         """A member past the last step (or a replacement that joined after it) waits for the lead's
-        :meth:`finish`: its error, if any, the steps of the checkpoints to register and the final
-        metrics; None when the lead is lost before it (the members left re-form, and their new lead
-        finishes the run)."""
+        :meth:`finish`: its report; None when the lead is lost before it (the members left re-form,
+        and their new lead finishes the run)."""
         async with self._changed:
             token = self._tokens.get(self._current.lead)
-            await self._changed.wait_for(lambda: self._finished_step is not None or token not in self._connected)
-            if self._finished_step is None:
-                return None
-            return self._final_error, self._final_registrations, self._final_metrics
+            await self._changed.wait_for(lambda: self._end is not None or token not in self._connected)
+            return self._end
 
     def _all_reported(self) -> bool:
         return all(token in self._reports or token not in self._connected for token in self._tokens.values())
@@ -263,7 +257,7 @@ class MembershipCoordinator:
     def _form_if_abandoned(self) -> None:
         """With no member of the current membership left, form the next one of the replacements
         waiting (nobody else would: only members ask for it)."""
-        if (self._finished_step is None and not any(t in self._connected for t in self._tokens.values())
+        if (self._end is None and not any(t in self._connected for t in self._tokens.values())
                 and any(t in self._connected for t in self._joiners.values())):
             self._form_next()
 
@@ -311,8 +305,9 @@ class MembershipCoordinator:
         return {replica: token for replica, token in reported.items() if replica != dropped}
 
     def _finished_membership(self) -> Membership:
-        if self._final_error is not None:
-            raise RuntimeError(f"the run ended without its final checkpoint: {self._final_error}")
+        """What a process joining the finished run is given: the run's last step, finished."""
+        if self._end.error is not None:
+            raise RuntimeError(f"the run ended without its final checkpoint: {self._end.error}")
         old = self._current
-        return dataclasses.replace(old, step=self._finished_step, finished=True) if old else Membership(
-            0, (), self._finished_step, -1, -1, (), finished=True)
+        return dataclasses.replace(old, step=self._end.step, finished=True) if old else Membership(
+            0, (), self._end.step, -1, -1, (), finished=True)

@@ -75,9 +75,9 @@ from ray_resilient.storage.run import RunStorage
 from ray_resilient.survivors.coordinator import FINAL_REPLACEMENT_WAIT_S, Membership
 from ray_resilient.survivors.exchange import CONTROLS, MicroBatchExchange
 from ray_resilient.survivors.lead import FinalSaveFailed, Lead
+from ray_resilient.survivors.run_end import RunEnd
 from ray_resilient.survivors.membership import RESTORE_PROGRESS_EVERY_S, FormationError, MembershipLink
 from ray_resilient.survivors.registrations import Offers, Registrations
-from ray_resilient.tracking import resolve_metrics_logger
 from ray_resilient.watchdog.progress import listening_to_progress
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class SurvivingReplicas:
             a multiple of them.
         timeout_s: how long a collective waits on a connection that carries nothing while every
             replica still sends its heartbeats (a partition between two replicas); a replica that
-            stops answering altogether is dropped sooner (:mod:`.liveness`). Work the lead alone
+            stops answering altogether is dropped sooner (:mod:`ray_resilient.heartbeats`). Work the lead alone
             does between steps is not bounded by it (see the module docstring); a restore from
             storage that makes no progress is, by :data:`~.membership.RESTORE_STALL_TIMEOUTS` times it.
         config: the lead's checkpoints, as the mainline's
@@ -158,7 +158,6 @@ class SurvivingReplicas:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         if not isinstance(config, CheckpointConfig):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        resolve_metrics_logger(config.goodput_logger, prefix="goodput/", name="goodput", enabled=False)  # bad: now
         self.optimizer, self.lr_scheduler, self.grad_scaler = optimizer, lr_scheduler, grad_scaler
         self.micro_batches, self.seed = micro_batches, config.seed
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -448,17 +447,16 @@ class SurvivingReplicas:
         while True:
             if self.is_lead and not self.finished:
                 self._finish_as_lead()
-            outcome = ray.get(self._link.coordinator.wait_finished.remote())
-            if outcome is not None:
+            end = ray.get(self._link.coordinator.wait_finished.remote())
+            if end is not None:
                 break
             # The lead was lost before it finished: the replicas left (all past the last step) re-form,
             # and their new lead finishes (its final checkpoint may already be durable).
             self._change_membership()
-        error, to_register, metrics = outcome
-        if error is not None:
-            raise FinalSaveFailed(error)
-        for step in to_register:
-            self._register(step, metrics if step == to_register[-1] else None)
+        if end.error is not None:
+            raise FinalSaveFailed(end.error)
+        for step in end.registrations:
+            self._register(step, end.metrics if step == end.registrations[-1] else None)
         self.finished = True
 
     def _finish_as_lead(self) -> None:
@@ -467,7 +465,7 @@ class SurvivingReplicas:
         try:
             metrics = self._lead.finish(self.result_metrics)
         except FinalSaveFailed as err:
-            ray.get(self._link.coordinator.finish.remote(self.step, str(err), []))
+            ray.get(self._link.coordinator.finish.remote(RunEnd(self.step, error=str(err))))
             raise
         # By the connections, not the membership: a replica killed after the last step is still a member,
         # and its replacement waits to join.
@@ -480,7 +478,7 @@ class SurvivingReplicas:
         if not everyone and unregistered:
             logger.warning("The final checkpoint (step %d) is durable but not registered with Ray: a replica "
                            "was still missing %.0f s after the end", self.step, FINAL_REPLACEMENT_WAIT_S)
-        ray.get(self._link.coordinator.finish.remote(self.step, None, to_register, metrics))
+        ray.get(self._link.coordinator.finish.remote(RunEnd(self.step, None, tuple(to_register), metrics)))
 
     def _register(self, step: int, metrics: dict[str, Any] | None = None) -> None:
         """This replica's part of registering the lead's durable checkpoint of ``step`` with Ray
