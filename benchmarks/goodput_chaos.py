@@ -305,12 +305,13 @@ def analyse(run: str, fit: Fit, foreign: float, job: ChaosJob, args: argparse.Na
                 "predicted": None, "predicted_run": None,
                 "against_whole_group": account(events, reference_step_seconds=whole_group_step).goodput}
     restart_mean = statistics.mean(breakdown.restarts) if breakdown.restarts else 0.0
+    save_cost = measured.save_stall_s + (measured.save_interference_s or 0.0)  # the planner's S
     return {
         **result, "pause": None, "restart": measured.restart_s or 0.0, "restart_mean": restart_mean,
-        "planner_steps": interval_steps_for(args.mtbf, measured.save_stall_s, measured.step_s),
-        "predicted": expected_goodput(interval_s, measured.save_stall_s, measured.restart_s or 0.0, args.mtbf),
+        "planner_steps": interval_steps_for(args.mtbf, save_cost, measured.step_s),
+        "predicted": expected_goodput(interval_s, save_cost, measured.restart_s or 0.0, args.mtbf),
         # the planner's G with the mean restart, scaled by the share of the run after its first start
-        "predicted_run": expected_goodput(interval_s, measured.save_stall_s, restart_mean, args.mtbf)
+        "predicted_run": expected_goodput(interval_s, save_cost, restart_mean, args.mtbf)
         * (1 - first_start / breakdown.total),
     }
 
@@ -331,6 +332,7 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     row("checkpoint interval (s)", "{:.2f}", lambda r: r["interval_s"])
     row("planner's interval from measured (steps)", "{}", lambda r: r["planner_steps"])
     row("save stall, median (s)", "{:.3f}", lambda r: r["measured"].save_stall_s)
+    row("save interference, mean (s)", "{:.3f}", lambda r: r["measured"].save_interference_s)
     row("restart, median (s)", "{:.2f}", lambda r: r["restart"])
     row("restart, mean (s)", "{:.2f}", lambda r: r["restart_mean"])
     row("survivors' pause after a kill, median (s)", "{:.2f}", lambda r: r["pause"])

@@ -197,6 +197,13 @@ def _add_goodput_plan(commands: argparse._SubParsersAction) -> None:
         "recommended interval is never shorter); default: the run's with --from-run, else 0",
     )
     costs.add_argument(
+        "--save-interference",
+        type=_duration,
+        metavar="X",
+        help="what a save's background write costs the steps beside it, beyond their usual time "
+        "(counted with the stall as a save's cost); default: the run's with --from-run, else 0",
+    )
+    costs.add_argument(
         "--interval", type=_positive_duration, metavar="I", help="checkpoint interval to evaluate"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -223,14 +230,14 @@ def _goodput_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"the job's mean time between failures would be {mtbf_s:.3g} s ({source}): a plan needs "
                      f"{low:g} s to {high / SECONDS_PER_YEAR:g} years; check the failure rate")
 
-    costs = MeasuredInputs(save_stall_s=None, restart_s=None, step_s=None, durable_latency_s=None)
+    costs = MeasuredInputs(save_stall_s=None, restart_s=None, step_s=None)
     if args.from_run is not None:
         try:
             costs = measured_inputs(args.from_run)
         except (OSError, ValueError) as error:
             parser.error(f"--from-run {args.from_run}: {error}")
     given = {"save_stall_s": args.save_stall, "restart_s": args.restart, "step_s": args.step_time,
-             "durable_latency_s": args.durable_latency}
+             "durable_latency_s": args.durable_latency, "save_interference_s": args.save_interference}
     costs = dataclasses.replace(costs, **{k: v for k, v in given.items() if v is not None})
     try:
         plan = plan_from_measured(

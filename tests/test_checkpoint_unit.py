@@ -310,6 +310,30 @@ def test_a_restored_auto_policy_continues_at_its_saved_interval_and_a_fixed_one_
     assert fixed.interval_steps == 5 and [s for s in range(31, 41) if fixed.due(s)] == [35, 40]
 
 
+def test_the_auto_interval_counts_what_a_saves_write_cost_the_steps_beside_it():
+    """Two policies see the same steady steps (1 s) and saves (0.2 s of stall); in one, the three
+    steps beside each save's write take 1.3 s. That save costs 0.2 + 3 x 0.3 s, and its interval is
+    Daly's for that cost (longer), not for the stall alone."""
+    from ray_resilient.checkpoint.save_policy import SavePolicy
+    from ray_resilient.goodput.planner import interval_steps_for
+
+    intervals = {}
+    for slowed in (1.0, 1.3):
+        policy = SavePolicy("auto", mtbf_s=3600.0)
+        step = 0
+        for save in range(3):
+            for _ in range(3):  # beside the previous save's write (none before the first save)
+                step += 1
+                policy.step_finished(slowed if save else 1.0, beside_write=save > 0)
+            for _ in range(7):
+                step += 1
+                policy.step_finished(1.0)
+            policy.saved(step, 0.2, 2.0, None)
+        intervals[slowed] = policy.interval_steps
+    assert intervals[1.0] == interval_steps_for(3600.0, 0.2, 1.0, 2.0)
+    assert intervals[1.3] == interval_steps_for(3600.0, 0.2 + 3 * 0.3, 1.0, 2.0) > intervals[1.0]
+
+
 @pytest.mark.parametrize("interval, mtbf_s, preemption_check_steps, error", [
     (0, None, 10, "interval_steps must be an int >= 1"),
     ("hourly", None, 10, "interval_steps must be an int >= 1"),

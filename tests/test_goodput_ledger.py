@@ -250,6 +250,43 @@ def test_measured_inputs_are_the_runs_medians_and_its_mean_start(local_run):
     assert measured.restart_s == pytest.approx(sum(STARTS) / 3)  # the first start counts as a restart
     assert measured.step_s == pytest.approx(1.0)  # kept steps less data wait: 0.8, 1, 1, 1, 0.5
     assert measured.durable_latency_s == pytest.approx(7.6 - 6.0)  # the one save seen durable: started at 6.0
+    assert measured.save_interference_s == 0.0  # the steps beside its write (3, 4) were lost, not kept
+
+
+def test_what_a_saves_write_cost_the_steps_beside_it_is_measured_and_planned_for(tmp_path):
+    """40 steps of 1 s; save 10's write (durable during step 13) runs beside steps 11-13, which take
+    1.3 s; save 30's (durable during step 31) beside step 31, which takes 1 s. Interference: 0.9 s
+    and 0 s, a mean of 0.45 s; the plan charges each save its stall and that, so its interval is
+    Daly's for 0.65 s, not for the 0.2 s stall alone."""
+    from ray_resilient.goodput.planner import daly_interval, plan_from_measured
+
+    run_dir = str(tmp_path / "run")
+    ledger = LedgerWriter(RunStorage(pafs.LocalFileSystem(), run_dir, str(tmp_path / "spool")), 0)
+    ledger.record("attempt_start", t=0.0, world_size=2)
+    ledger.record("restore", t=1.0, t_start=0.0, step=0)
+    t = 1.0
+    for step in range(1, 41):
+        duration = 1.3 if 11 <= step <= 13 else 1.0
+        ledger.record("step", t=t + duration, t_start=t, step=step, data_wait=0.0)
+        t += duration
+        if step == 13:
+            ledger.record("durable", t=t - 0.1, step=10)
+        if step == 31:
+            ledger.record("durable", t=t - 0.5, step=30)
+        if step in (10, 30):
+            ledger.record("save", t=t + 0.2, t_start=t, step=step)
+            t += 0.2
+    ledger.record("finish", t=t, step=40)
+    ledger.close()
+    breakdown = account(read_events(pafs.LocalFileSystem(), run_dir))
+    assert breakdown.write_windows == [(3, pytest.approx(3.9)), (1, pytest.approx(1.0))]
+    assert breakdown.save_interference == [pytest.approx(0.9), pytest.approx(0.0)]
+    measured = measured_inputs(run_dir)
+    assert measured.save_stall_s == pytest.approx(0.2) and measured.save_interference_s == pytest.approx(0.45)
+    plan = plan_from_measured(measured, 3600.0)
+    assert plan.save_interference_s == pytest.approx(0.45)
+    assert plan.daly_interval_s == pytest.approx(daly_interval(0.65, 3600.0))
+    assert plan.daly_interval_s > daly_interval(0.2, 3600.0)
 
 
 def test_a_run_without_a_ledger_is_refused_naming_it(tmp_path):

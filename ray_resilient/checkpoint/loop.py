@@ -155,6 +155,7 @@ class CheckpointLoop:
             hooks = [*hooks, LiveGoodputLog(self._goodput.metrics, live_log, config.goodput_log_every)]
         self._lifecycle = Lifecycle(hooks)
         self._mark = time.time()  # the end of the loop's last recorded span (restore, step or save)
+        self._writing_at_mark = False  # a save's write was running then
         self._fetch_seen = 0.0  # the data loader's fetch_seconds already attributed to steps
         self._attempt: int | None = None  # this attempt's number, known once the lease is taken
         self._in_flight: deque[_InFlight] = deque()
@@ -289,7 +290,7 @@ class CheckpointLoop:
         self._last_metrics = dict(metrics or {})
         began = self._mark if started is None else started
         self._goodput.step(state.step, began, ended, fetched - self._fetch_seen)
-        self._policy.step_finished(ended - began)
+        self._policy.step_finished(ended - began, beside_write=self._writing_at_mark or self._writing())
         self._lifecycle.step_finished(state.step)
         self._fetch_seen, self._mark = fetched, ended
         if self._step_faults:
@@ -308,7 +309,7 @@ class CheckpointLoop:
             self._preemption_saves += 1
             self._checkpoint(self._last_metrics, wait=True)
             self._lifecycle.phase("training")
-        self._mark = time.time()
+        self._mark, self._writing_at_mark = time.time(), self._writing()
 
     def progress(self, phase: str) -> None:
         """Tell the lifecycle's hooks this rank is busy with ``phase`` and getting on."""
@@ -361,6 +362,10 @@ class CheckpointLoop:
             self._goodput.close()
 
     # --- internals ---------------------------------------------------------------------------
+
+    def _writing(self) -> bool:
+        """Whether a save's write is running on this rank."""
+        return self._session.in_flight > self._session.finished()
 
     def _data_fetch_seconds(self) -> float:
         return self._data_wait.fetch_seconds if self._data_wait is not None else 0.0

@@ -30,9 +30,10 @@ class SavePolicy:
     Args:
         interval_steps: save every this many steps, ``"auto"``: the interval that maximizes
             goodput for ``mtbf_s`` (Daly's, :mod:`ray_resilient.goodput.planner`) from the
-            measured save stall and step time (a first save after :data:`AUTO_FIRST_STEPS`
-            steps measures the stall, and every save updates the interval from rank 0's figures),
-            or None: never (only the final save and preemption saves).
+            measured cost of a save (its stall, plus what its background write cost the steps
+            beside it beyond a step's usual time) and step time (a first save after
+            :data:`AUTO_FIRST_STEPS` steps measures them, and every save updates the interval from
+            rank 0's figures), or None: never (only the final save and preemption saves).
         mtbf_s: the job's mean time between failures in seconds (needed by ``"auto"``).
         preemption_check_steps: ask Ray for imminent preemption every this many steps (a
             barrier across workers, a few ms); a just-in-time save follows once.
@@ -56,7 +57,8 @@ class SavePolicy:
         self._preemption_info = local_preemption_info if asks_alone else ray.train.get_preemption_info
         self.saved_for_preemption = False  # a just-in-time checkpoint was taken
         self._next_auto_save = AUTO_FIRST_STEPS
-        self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)
+        self._step_seconds: deque[float] = deque(maxlen=STEP_WINDOW)  # steps with no write beside them
+        self._beside_write: list[float] = []  # the steps beside the newest save's write
 
     def restored(self, step: int, interval_steps: int = 0) -> None:
         """The run continues after ``step``; ``interval_steps`` is the interval its checkpoint was
@@ -66,8 +68,12 @@ class SavePolicy:
             self.interval_steps = interval_steps
         self._next_auto_save = step + self.interval_steps
 
-    def step_finished(self, seconds: float) -> None:
-        self._step_seconds.append(seconds)
+    def step_finished(self, seconds: float, beside_write: bool = False) -> None:
+        """A step took ``seconds``; ``beside_write``: a save's write ran beside it."""
+        if beside_write:
+            self._beside_write.append(seconds)
+        else:
+            self._step_seconds.append(seconds)
 
     def due(self, step: int) -> bool:
         """Whether the interval says to save after ``step``."""
@@ -89,14 +95,21 @@ class SavePolicy:
     def saved(self, step: int, stall_s: float, durable_s: float, group: dist.ProcessGroup | None) -> None:
         """A save started after ``step``, stalling the loop ``stall_s``; the newest durable one took
         ``durable_s``. With ``"auto"``, the next interval is Daly's from rank 0's figures (at least
-        its time to durable), the same on every rank (a collective on ``group``)."""
+        its time to durable), the same on every rank (a collective on ``group``): a save costs its
+        stall plus the previous save's interference, what the steps beside its write took beyond
+        the median step without one."""
+        beside, self._beside_write = self._beside_write, []
         if not self.auto:
             return
-        measured = (stall_s, median(self._step_seconds), durable_s)
-        stall, step_seconds, durable = broadcast_from_rank0(group, measured)
-        interval = interval_steps_for(self.mtbf_s, max(stall, 1e-6), max(step_seconds, 1e-6), durable)
+        usual = median(self._step_seconds or beside)
+        interference = max(0.0, sum(beside) - len(beside) * usual)
+        stall, step_seconds, durable, interference = broadcast_from_rank0(
+            group, (stall_s, usual, durable_s, interference))
+        cost = stall + interference
+        interval = interval_steps_for(self.mtbf_s, max(cost, 1e-6), max(step_seconds, 1e-6), durable)
         if interval != self.interval_steps:
-            logger.info("Checkpoint interval: %d steps (Daly's for an MTBF of %.0fs, save stall %.3fs, step %.3fs; "
-                        "a save is durable after %.3fs)", interval, self.mtbf_s, stall, step_seconds, durable)
+            logger.info("Checkpoint interval: %d steps (Daly's for an MTBF of %.0fs, a save costing %.3fs: its stall "
+                        "%.3fs and %.3fs more of the steps beside its write; step %.3fs; a save is durable after "
+                        "%.3fs)", interval, self.mtbf_s, cost, stall, interference, step_seconds, durable)
         self.interval_steps = interval
         self._next_auto_save = step + interval

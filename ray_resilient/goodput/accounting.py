@@ -171,6 +171,8 @@ class AttemptSummary:
     kept_step_seconds: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)
     save_stalls: list[float] = field(default_factory=list, repr=False)
     durable_latencies: list[float] = field(default_factory=list, repr=False)
+    # Each durable save's write: the kept steps that ran beside it, and their seconds less data wait.
+    write_windows: list[tuple[int, float]] = field(default_factory=list, repr=False)
     registered: list[int] = field(default_factory=list, repr=False)  # steps of checkpoints Ray was told of
     errors: list[tuple[float, str]] = field(default_factory=list, repr=False)  # its failures: (time, error)
     bars: dict[str, list[tuple[float, float]]] = field(default_factory=dict, repr=False)  # timeline: (start, s)
@@ -218,6 +220,7 @@ class Breakdown:
     kept_step_seconds: KeptSteps = field(default_factory=KeptSteps, repr=False)
     save_stalls: list[float] = field(default_factory=list, repr=False)
     durable_latencies: list[float] = field(default_factory=list, repr=False)  # each save's start to durable
+    write_windows: list[tuple[int, float]] = field(default_factory=list, repr=False)  # see AttemptSummary
     starts: list[float] = field(default_factory=list, repr=False)  # each attempt's init_restart + restore
     given_reference: float | None = None  # a reference step time passed by the caller
     _slow: tuple[int, float | None, float] = field(default=(0, None, 0.0), repr=False, compare=False)
@@ -257,6 +260,16 @@ class Breakdown:
     @property
     def productive(self) -> float:
         return self.step_time - self.slow_steps
+
+    @property
+    def save_interference(self) -> list[float]:
+        """What each durable save cost the steps that ran beside its write: their seconds beyond
+        the reference step time (a save's write competes with them for the host's memory
+        bandwidth, CPU and network), the save's cost besides its stall."""
+        reference = self.reference_step_seconds
+        if reference is None:
+            return []
+        return [max(0.0, seconds - steps * reference) for steps, seconds in self.write_windows]
 
     @property
     def restarts(self) -> list[float]:
@@ -328,7 +341,10 @@ def summarize(attempt: Attempt, lost_after: int | None, run_start: float) -> Att
                              (min(steps), max(steps)) if steps else None, lost_after)
     # A save's durable event may come before the save's own (the writer's thread records it).
     save_started = {e["step"]: e["t_start"] for e in events if e["kind"] == EventKind.SAVE}
+    save_ended = {e["step"]: e["t"] for e in events if e["kind"] == EventKind.SAVE}
+    writes: list[tuple[float, float]] = []  # each durable save's write: (its stall's end, durable)
     kept: list[float] = []
+    kept_spans: list[tuple[float, float]] = []
     bars: dict[str, list[tuple[float, float]]] = defaultdict(list)
     marks: dict[str, list[float]] = defaultdict(list)
     reforming_since, copying = None, 0.0  # survivor mode: since a step was dropped
@@ -348,6 +364,7 @@ def summarize(attempt: Attempt, lost_after: int | None, run_start: float) -> Att
             summary.data_wait += wait
             summary.steps_kept += 1
             kept.append(duration - wait)
+            kept_spans.append((t0, event["t"]))
             if wait > 0:
                 bars["data_wait"].append((t0, wait))
             bars["kept"].append((t0 + wait, duration - wait))
@@ -361,6 +378,7 @@ def summarize(attempt: Attempt, lost_after: int | None, run_start: float) -> Att
                 summary.registered.append(event["step"])
             elif event["step"] in save_started:
                 summary.durable_latencies.append(event["t"] - save_started[event["step"]])
+                writes.append((save_ended[event["step"]], event["t"]))
         elif kind == EventKind.RESTORE:
             summary.restore += duration
             summary.start_restore += duration
@@ -380,12 +398,29 @@ def summarize(attempt: Attempt, lost_after: int | None, run_start: float) -> Att
         elif kind == EventKind.FAILURE:
             summary.errors.append((event["t"], event.get("error", "")))
     summary.kept_step_seconds = np.array(kept, dtype=float)
+    summary.write_windows = _beside(writes, kept_spans, summary.kept_step_seconds)
     share = (summary.end - summary.start) / (summary.end - run_start) if summary.end > run_start else 1.0
     bins = max(1, math.ceil(TIMELINE_BINS * share))
     many = sum(len(spans) for spans in bars.values()) > bins
     summary.bars = _binned(bars, summary.start, summary.end, bins) if many else dict(bars)
     summary.marks = dict(marks)
     return summary
+
+
+def _beside(writes: list[tuple[float, float]], spans: list[tuple[float, float]],
+            seconds: np.ndarray) -> list[tuple[int, float]]:
+    """For each write (from, to), the kept steps whose span (start, end; in order, not overlapping)
+    overlaps it, and their ``seconds``."""
+    if not writes or not spans:
+        return [(0, 0.0) for _ in writes]
+    starts, ends = np.array(spans, dtype=float).T
+    before = np.concatenate([[0.0], np.cumsum(seconds)])
+    windows = []
+    for begin, end in writes:
+        first = int(np.searchsorted(ends, begin, side="right"))  # the first step ending after the write began
+        stop = int(np.searchsorted(starts, end, side="left"))  # past the last step begun before it ended
+        windows.append((max(0, stop - first), float(before[max(first, stop)] - before[first])))
+    return windows
 
 
 def _binned(bars: Mapping[str, list[tuple[float, float]]], start: float, end: float,
@@ -454,6 +489,7 @@ def account_summaries(attempts: Sequence[AttemptSummary], job_starts: Sequence[f
         result.failures += attempt.replicas_lost
         result.save_stalls += attempt.save_stalls
         result.durable_latencies += attempt.durable_latencies
+        result.write_windows += attempt.write_windows
         result.starts.append(setup + attempt.start_restore)
         if index + 1 < len(attempts) and not attempt.finished and not attempts[index + 1].took_over:
             result.failures += 1

@@ -294,6 +294,7 @@ def _parse_summary(data: bytes) -> AttemptSummary | None:
         summary.step_range = None if summary.step_range is None else (int(summary.step_range[0]),
                                                                         int(summary.step_range[1]))
         summary.errors = [(t, str(error)) for t, error in summary.errors]
+        summary.write_windows = [(int(steps), seconds) for steps, seconds in summary.write_windows]
         return summary if _well_formed(summary) else None
     except (ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
         return None
@@ -303,7 +304,7 @@ def _well_formed(summary: AttemptSummary) -> bool:
     """Whether every number of ``summary`` is a finite one, each step an integer or None, and each
     timeline bar a (start, seconds) pair (a ValueError when one is not)."""
     numbers = [*(getattr(summary, name) for name in _NUMBERS), *summary.save_stalls, *summary.durable_latencies,
-               *(t for t, _ in summary.errors)]
+               *(t for t, _ in summary.errors), *(seconds for _, seconds in summary.write_windows)]
     steps = [summary.restored_step, summary.lost_after, summary.world_size, *summary.registered]
     bars = [np.asarray(spans, dtype=float).reshape(len(spans), 2) for spans in summary.bars.values()]
     marks = [np.asarray(times, dtype=float).reshape(len(times)) for times in summary.marks.values()]

@@ -9,8 +9,11 @@ The model (first order, all times in seconds of wall clock):
   approximation of it; they differ by under 3% for ``P`` up to 5%, and ours stays meaningful for
   large ``P``.) Over a run of length ``T``: P(at least one failure) = ``1 - exp(-T/M)``, expected
   failures = ``T/M``.
-- **Cost of checkpointing.** A checkpoint after every ``I`` seconds of useful work stalls training
-  for ``S`` seconds (the save stall), so one cycle takes ``I + S`` of wall clock.
+- **Cost of checkpointing.** A checkpoint after every ``I`` seconds of useful work costs ``S``
+  seconds: the loop's stall while it stages the save, plus its interference, what the steps that
+  run beside its background write take beyond their usual time (the write competes with them for
+  memory bandwidth, CPU and network: measured in a run's ledger, 14% of a run's time where saves
+  came every few steps). One cycle takes ``I + S`` of wall clock.
 - **Cost of a failure.** A failure lands uniformly within a cycle, so it loses on average
   ``(I + S) / 2`` since the last checkpoint, plus ``R`` to restart (rescheduling, process start and
   restore: include restore time in ``R``), plus ``L``, the durable latency: a checkpoint still being
@@ -163,6 +166,7 @@ class MeasuredInputs:
     restart_s: float | None
     step_s: float | None
     durable_latency_s: float | None = None
+    save_interference_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class Plan:
     failures_per_day: float
     run_s: float | None
     save_stall_s: float | None
+    save_interference_s: float
     restart_s: float
     durable_latency_s: float
     interval_s: float | None
@@ -215,8 +220,10 @@ def make_plan(
     interval_s: float | None = None,
     step_s: float | None = None,
     durable_latency_s: float = 0.0,
+    save_interference_s: float = 0.0,
 ) -> Plan:
-    """Everything the model says about a job with mean time between failures ``mtbf_s``.
+    """Everything the model says about a job with mean time between failures ``mtbf_s``; a save
+    costs ``save_stall_s + save_interference_s`` (the model's ``S``).
 
     The recommended interval is Daly's, rounded to whole steps when ``step_s`` is known. The table
     lists the optimum times 1/8 to 8, Young's interval and ``interval_s``, shortest first; with
@@ -225,36 +232,38 @@ def make_plan(
     _require("mtbf_s", mtbf_s, positive=True)
     _require("restart_s", restart_s, positive=False)
     _require("durable_latency_s", durable_latency_s, positive=False)
+    _require("save_interference_s", save_interference_s, positive=False)
     if interval_s is not None:
         _require("interval_s", interval_s, positive=True)
     if step_s is not None:
         _require("step_s", step_s, positive=True)
     stats = failure_stats(mtbf_s, run_s) if run_s is not None else None
+    save_cost = None if save_stall_s is None else save_stall_s + save_interference_s
 
     def row(interval: float, label: str) -> IntervalRow:
-        lost = expected_lost_per_failure(interval, save_stall_s, restart_s, durable_latency_s)
+        lost = expected_lost_per_failure(interval, save_cost, restart_s, durable_latency_s)
         return IntervalRow(
             interval_s=interval,
             lost_per_failure_s=lost,
             lost_per_day_s=lost * SECONDS_PER_DAY / mtbf_s,
-            goodput=expected_goodput(interval, save_stall_s, restart_s, mtbf_s, durable_latency_s),
+            goodput=expected_goodput(interval, save_cost, restart_s, mtbf_s, durable_latency_s),
             label=label,
         )
 
     young = daly = recommended = steps = optimal = given = None
     table: list[IntervalRow] = []
-    if save_stall_s is not None:
-        young = young_interval(save_stall_s, mtbf_s)
-        daly = daly_interval(save_stall_s, mtbf_s)
+    if save_cost is not None:
+        young = young_interval(save_cost, mtbf_s)
+        daly = daly_interval(save_cost, mtbf_s)
         # Never shorter than a save's time to durable: saves are written one after another, so
         # a shorter interval only defers them.
         recommended = max(daly, durable_latency_s) or None  # free saves, nothing to wait for: no bound
         if step_s is not None:
-            steps = interval_steps_for(mtbf_s, save_stall_s, step_s, durable_latency_s)
+            steps = interval_steps_for(mtbf_s, save_cost, step_s, durable_latency_s)
             recommended = steps * step_s
         labels: dict[float, str] = {}
         if daly > 0:
-            optimal = expected_goodput(daly, save_stall_s, restart_s, mtbf_s, durable_latency_s)
+            optimal = expected_goodput(daly, save_cost, restart_s, mtbf_s, durable_latency_s)
             labels = {daly * f: "" for f in TABLE_FACTORS}
             labels[young] = "Young"
             labels[daly] = "Daly (optimal)"
@@ -270,6 +279,7 @@ def make_plan(
         failures_per_day=SECONDS_PER_DAY / mtbf_s,
         run_s=run_s,
         save_stall_s=save_stall_s,
+        save_interference_s=save_interference_s,
         restart_s=restart_s,
         durable_latency_s=durable_latency_s,
         interval_s=interval_s,
@@ -295,8 +305,8 @@ def plan_from_measured(
     run_s: float | None = None,
     interval_s: float | None = None,
 ) -> Plan:
-    """:func:`make_plan` with the save stall, restart time, step time and durable latency a run
-    measured (a restart or durable latency it did not measure counts as 0)."""
+    """:func:`make_plan` with the save stall and interference, restart time, step time and durable
+    latency a run measured (what it did not measure, but the stall, counts as 0)."""
     return make_plan(
         mtbf_s,
         run_s=run_s,
@@ -305,12 +315,15 @@ def plan_from_measured(
         interval_s=interval_s,
         step_s=measured.step_s,
         durable_latency_s=0.0 if measured.durable_latency_s is None else measured.durable_latency_s,
+        save_interference_s=0.0 if measured.save_interference_s is None else measured.save_interference_s,
     )
 
 
 def measured_inputs(run_dir: str) -> MeasuredInputs:
     """The planner's inputs measured by the run at ``run_dir`` (a path or URI): median save stall,
-    mean restart, median kept step time and time from a save's start to durable.
+    mean restart, median kept step time, time from a save's start to durable, and the mean of what
+    each save's write cost the steps beside it (the mean: the model charges each save its expected
+    cost).
 
     The restart is the whole cost of one: from the failed attempt's last event to the restored
     attempt's first step (detection, new workers, restore). The job's first start (scheduling,
@@ -323,4 +336,5 @@ def measured_inputs(run_dir: str) -> MeasuredInputs:
         restart_s=mean(breakdown.starts) if breakdown.starts else None,
         step_s=float(np.median(breakdown.kept_step_seconds.values())) if breakdown.kept_step_seconds else None,
         durable_latency_s=median(breakdown.durable_latencies) if breakdown.durable_latencies else None,
+        save_interference_s=mean(interference) if (interference := breakdown.save_interference) else None,
     )

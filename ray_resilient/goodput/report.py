@@ -183,6 +183,7 @@ def format_plan(plan: Plan, source: str) -> str:
     lines += ["", "Costs"]
     lines += _rows(
         ("save stall", known(plan.save_stall_s)),
+        ("save interference", format_duration(plan.save_interference_s)),
         ("restart", format_duration(plan.restart_s)),
         ("durable latency", format_duration(plan.durable_latency_s)),
         ("step time", known(plan.step_s)),
