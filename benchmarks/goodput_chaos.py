@@ -84,8 +84,8 @@ The last line printed is the summary the issue asks for (the line before it: ``s
 Results, their tables and timelines: ``docs/goodput_chaos.md``.
 
 Run: ``python benchmarks/goodput_chaos.py`` (about 20 minutes on a quiet machine; ``--steps 60
---mtbf 25`` for a quick try of the mechanics). The PNG timelines go to
-``--figures`` (default ``docs/``).
+--mtbf 25`` for a quick try of the mechanics). The PNG timelines go to ``--figures`` (default:
+the working directory, ``goodput_chaos_figures/``; ``--figures docs`` replaces the README's).
 """
 
 from __future__ import annotations
@@ -423,8 +423,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--node-cpus", type=int, default=2, help="CPUs of the worker node (default: 2)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule, data and model (default: 0)")
     parser.add_argument("--timeout", type=float, default=900, help="give up on a run after this many s (default: 900)")
-    parser.add_argument("--figures", type=Path, default=BENCHMARKS.parent / "docs",
-                        help="where the PNG timelines go (default: docs/)")
+    parser.add_argument("--figures", type=Path, default=Path("goodput_chaos_figures"),
+                        help="where the PNG timelines go (default: ./goodput_chaos_figures; the README's are "
+                             "in docs/)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (Ray logs, ledgers, checkpoints)")
     return parser.parse_args(argv)
 

@@ -282,7 +282,7 @@ def test_s3_storage_saves_through_local_disk_and_survives_a_sigkill_during_an_up
     trainlib.assert_same_weights(trainlib.final_weights(record), trainlib.final_weights(reference["record"]))
 
 
-def test_auto_interval_is_dalys_for_the_measured_stall_and_step_time(tmp_path):
+def test_auto_interval_is_dalys_for_the_measured_cost_of_a_save_and_step_time(tmp_path):
     from statistics import median
 
     from ray_resilient.goodput import interval_steps_for, read_events
@@ -309,10 +309,21 @@ def test_auto_interval_is_dalys_for_the_measured_stall_and_step_time(tmp_path):
         newest = max((step for step, t in durable_at.items() if t <= before), default=None)
         return durable_at[newest] - started_at[newest] if newest is not None else 0.0
 
-    for save, following in zip(saves, saves[1:-1]):
-        recent = [step_seconds[s] for s in range(max(1, save["step"] - 49), save["step"] + 1)]
-        expected = {interval_steps_for(mtbf, save["t"] - save["t_start"], median(recent), durable_seconds(before))
-                    for before in (save["t_start"], save["t"])}
+    # A save costs its stall plus the interference of the previous save's write: what the steps
+    # beside that write (their span overlapping it) took beyond the median step without a write.
+    # The loop sees a write end when rank 0's part of it ends, a moment before its durable event:
+    # the step at the window's end may count or not.
+    step_spans = {e["step"]: (e["t_start"], e["t"]) for e in events if e["kind"] == "step"}
+    writes = [(e["t"], durable_at[e["step"]]) for e in saves if e["step"] in durable_at]
+    beside = {step for step, (t0, t1) in step_spans.items() if any(t1 > a and t0 < b for a, b in writes)}
+    for previous, save, following in zip([None, *saves], saves, saves[1:-1]):
+        steady = [step_seconds[s] for s in range(1, save["step"] + 1) if s not in beside][-50:]
+        since = [s for s in range(previous["step"] + 1 if previous else 1, save["step"] + 1) if s in beside]
+        expected = set()
+        for counted in (since, since[:-1]):
+            interference = max(0.0, sum(step_seconds[s] for s in counted) - len(counted) * median(steady))
+            expected |= {interval_steps_for(mtbf, save["t"] - save["t_start"] + interference, median(steady),
+                                            durable_seconds(before)) for before in (save["t_start"], save["t"])}
         chosen = following["step"] - save["step"]
         assert any(abs(chosen - e) <= 1 for e in expected), (save, following, expected)
     checkpoints = list_checkpoints(pafs.LocalFileSystem(), str(tmp_path / "storage" / "auto"))
