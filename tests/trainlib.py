@@ -109,6 +109,42 @@ class LifecycleRecorder(LifecycleHook):
         self._log.close()
 
 
+def assert_auto_intervals(events: list[dict[str, Any]], mtbf_s: float) -> None:
+    """Each interval the ``"auto"`` policy chose between two saves of rank 0's ``events`` (the last,
+    the final save, aside) is Daly's for ``mtbf_s``, within a step: a save costs its stall plus the
+    interference of the previous save's write (what the steps beside it, their span overlapping
+    it, took beyond the median of the last 50 steps without a write); the interval is never
+    shorter than the newest save durable by then (as the save began, or as its stall ended: which
+    the policy had collected is not in the events). The loop sees a write end when rank 0's part
+    of it ends, a moment before its durable event: the step at the window's end may count or not."""
+    from statistics import median
+
+    from ray_resilient.goodput import interval_steps_for
+
+    saves = [e for e in events if e["kind"] == "save"]
+    step_spans = {e["step"]: (e["t_start"], e["t"]) for e in events if e["kind"] == "step"}
+    step_seconds = {step: t1 - t0 for step, (t0, t1) in step_spans.items()}
+    durable_at = {e["step"]: e["t"] for e in events if e["kind"] == "durable"}
+    started_at = {e["step"]: e["t_start"] for e in saves}
+    writes = [(e["t"], durable_at[e["step"]]) for e in saves if e["step"] in durable_at]
+    beside = {step for step, (t0, t1) in step_spans.items() if any(t1 > a and t0 < b for a, b in writes)}
+
+    def durable_seconds(before: float) -> float:
+        newest = max((step for step, t in durable_at.items() if t <= before), default=None)
+        return durable_at[newest] - started_at[newest] if newest is not None else 0.0
+
+    for previous, save, following in zip([None, *saves], saves, saves[1:-1]):
+        steady = [step_seconds[s] for s in range(1, save["step"] + 1) if s not in beside][-50:]
+        since = [s for s in range(previous["step"] + 1 if previous else 1, save["step"] + 1) if s in beside]
+        expected = set()
+        for counted in (since, since[:-1]):
+            interference = max(0.0, sum(step_seconds[s] for s in counted) - len(counted) * median(steady))
+            expected |= {interval_steps_for(mtbf_s, save["t"] - save["t_start"] + interference, median(steady),
+                                            durable_seconds(before)) for before in (save["t_start"], save["t"])}
+        chosen = following["step"] - save["step"]
+        assert any(abs(chosen - e) <= 1 for e in expected), (save, following, expected)
+
+
 def read_lifecycle(record_dir: str, rank: int) -> list[list[dict[str, Any]]]:
     """The lifecycle points of each process of ``rank``, in the order its processes started."""
     names = [n for n in os.listdir(record_dir) if n.startswith(f"lifecycle-rank{rank}-")]
