@@ -46,9 +46,8 @@ import ray_resilient
 PACKAGE = Path(ray_resilient.__file__).resolve().parent
 REPO = PACKAGE.parent
 TESTS = Path(__file__).resolve().parent
-BASE = {"_ray_internals", "_torch_internals", "_lazy", "storage", "faults", "tracking", "lifecycle", "heartbeats"}
+BASE = {"_ray_internals", "_torch_internals", "_lazy", "storage", "faults", "tracking", "lifecycle"}
 ALLOWED = {
-    "heartbeats": set(),
     "lifecycle": {"storage"},
     "_ray_internals": set(),
     "_torch_internals": set(),

@@ -133,7 +133,7 @@ def test_a_state_layout_carries_no_code_and_names_what_it_cannot_carry():
 
 
 def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_one_at_once():
-    """Real processes holding a :class:`HeartbeatLink` (survivor mode's hello), each with a forked child (a DataLoader
+    """Real processes holding a :class:`LivenessLink`, each with a forked child (a DataLoader
     worker's place): one SIGSTOPped (its sockets stay open, no FIN comes) is dropped after 2 s of
     silence (the coordinator's rule, heartbeats on time), one SIGKILLed at once (its child holds no
     copy of the link), and one alive keeps its link."""
@@ -144,7 +144,8 @@ def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_
     import sys
     import time
 
-    from ray_resilient.heartbeats import HEARTBEAT_S, SilenceRule, read_hello, watch_heartbeats
+    from ray_resilient.survivors.liveness import HEARTBEAT_S, watch_heartbeats
+    from ray_resilient.watchdog.silence import SilenceRule
 
     silence = SilenceRule()
 
@@ -153,17 +154,16 @@ def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_
         ended: dict[str, tuple[str, float]] = {}
 
         async def watch(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            name = (await read_hello(reader))["replica"]
-            ended[name] = ((await watch_heartbeats(reader, silence)).how, time.monotonic())
+            name, _ = (await reader.readline()).decode().split()
+            ended[name] = (await watch_heartbeats(reader, silence), time.monotonic())
             writer.close()
 
         server = await asyncio.start_server(watch, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         # Each holds its link, and its forked child lives on, until stdin closes (the test's end).
         holders = {name: subprocess.Popen([sys.executable, "-c", (
-            "import os, sys\nfrom ray_resilient.heartbeats import HeartbeatLink\n"
-            f"link = HeartbeatLink(lambda: ('127.0.0.1', {port}, {{'replica': '{name}', 'token': 't'}}))\n"
-            "link.wait_open(10)\n"
+            "import os, sys\nfrom ray_resilient.survivors.liveness import LivenessLink\n"
+            f"link = LivenessLink('127.0.0.1', {port}, '{name}', 'token')\n"
             "if os.fork() == 0:\n    sys.stdin.read()\n    os._exit(0)\n"
             "print('up', flush=True)\nsys.stdin.read()")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for name in ("stopped", "killed", "alive")}
@@ -190,7 +190,7 @@ def test_a_replica_that_stops_without_dying_is_dropped_once_silent_and_a_killed_
 
 
 def test_silence_is_a_stop_beyond_the_floor_or_four_times_the_p99_of_the_heartbeat_gaps_heard():
-    from ray_resilient.heartbeats import SilenceRule
+    from ray_resilient.watchdog.silence import SilenceRule
 
     silence = SilenceRule(2.0)
     assert silence.threshold_s == 2.0  # nothing heard yet: the floor

@@ -60,8 +60,7 @@ class CheckpointConfig:
             fetches, each sample the data loader reads and each failed read it retries, each step and
             ``progress(phase)``. At a step where an earlier attempt was declared hung, the allowance
             doubles. None: only Ray's worker health check (``RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S``).
-            Survivor mode drops a replica that stops answering by its heartbeats to the membership
-            coordinator instead (the same transport, :mod:`ray_resilient.heartbeats`).
+            Survivor mode drops a replica that stops answering by its own liveness link instead.
     """
 
     interval_steps: int | Literal["auto"] | None = 100

@@ -2,11 +2,11 @@
 
 One async Ray actor per worker group, owned by Ray Train's controller (created by the survivor
 backend), so it outlives any replica. It hosts the ``TCPStore`` the replicas rendezvous their
-gloo groups on, and a TCP server each replica keeps one connection to, sending heartbeats on it (a
-:class:`~ray_resilient.heartbeats.HeartbeatLink`). A replica process that dies (SIGKILL, OOM) closes
-that connection, so the coordinator knows at once; one that stops answering without dying (SIGSTOP, a hang that holds
+gloo groups on, and a TCP server each replica keeps one connection to, sending a heartbeat on it
+(:mod:`.liveness`). A replica process that dies (SIGKILL, OOM) closes that connection, so
+the coordinator knows at once; one that stops answering without dying (SIGSTOP, a hang that holds
 the interpreter, a lost node or a partition that sends no FIN) is dropped once silent past the
-:class:`~ray_resilient.heartbeats.SilenceRule` of the heartbeats the coordinator hears (2 s on
+:class:`~ray_resilient.watchdog.silence.SilenceRule` of the heartbeats the coordinator hears (2 s on
 a quiet machine), where an idle connection would wait for gloo's timeout and more.
 
 A *membership* (an epoch number, the replica ids in it, the step it starts from) changes when a
@@ -47,8 +47,9 @@ from typing import Any
 
 import ray
 
-from ray_resilient.heartbeats import SilenceRule, read_hello, watch_heartbeats
+from ray_resilient.survivors.liveness import watch_heartbeats
 from ray_resilient.survivors.run_end import RunEnd
+from ray_resilient.watchdog.silence import SilenceRule
 
 logger = logging.getLogger(__name__)
 
@@ -143,15 +144,12 @@ class MembershipCoordinator:
 
     async def _watch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One replica's connection: its token, then heartbeats until the process is gone or silent."""
-        hello = await read_hello(reader)
-        if hello is None:
-            writer.close()
-            return
-        replica, token = hello["replica"], hello["token"]
+        line = await reader.readline()
+        replica, token = line.decode().split()
         async with self._changed:
             self._connected[token] = int(replica)
             self._changed.notify_all()
-        how = (await watch_heartbeats(reader, self._silence)).how
+        how = await watch_heartbeats(reader, self._silence)
         writer.close()  # a silent replica that wakes up finds it was dropped
         async with self._changed:
             del self._connected[token]

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from ray_resilient._torch_internals import gloo_group
 from ray_resilient.faults import FaultInjector
-from ray_resilient.heartbeats import HeartbeatLink
 from ray_resilient.survivors.coordinator import JOINERS_KEY, Membership, lost_key
+from ray_resilient.survivors.liveness import LivenessLink
 from ray_resilient.survivors.state_copy import receive_state, send_state
 
 LOST_POLL_S = 0.02  # how often a replica inside a collective asks whether a member was lost
@@ -67,9 +67,7 @@ class MembershipLink:
         host, store_port, live_port = ray.get(self.coordinator.start.remote())
         self._store = dist.TCPStore(host, store_port, is_master=False, timeout=timeout)
         self._node_ip = ray.util.get_node_ip_address()
-        self.live = HeartbeatLink(lambda: (host, live_port, {"replica": replica, "token": token}),
-                                  unreachable="Could not reach the membership coordinator")
-        self.live.wait_open(timeout.total_seconds())
+        self.live = LivenessLink(host, live_port, replica, token)
         self.membership: Membership | None = None
         self.group: Any = None  # the membership's gloo group
         self._copy_group: Any = None  # the source's and the replicas' behind it, while it copies

@@ -132,7 +132,7 @@ class SurvivingReplicas:
             a multiple of them.
         timeout_s: how long a collective waits on a connection that carries nothing while every
             replica still sends its heartbeats (a partition between two replicas); a replica that
-            stops answering altogether is dropped sooner (:mod:`ray_resilient.heartbeats`). Work the lead alone
+            stops answering altogether is dropped sooner (:mod:`.liveness`). Work the lead alone
             does between steps is not bounded by it (see the module docstring); a restore from
             storage that makes no progress is, by :data:`~.membership.RESTORE_STALL_TIMEOUTS` times it.
         config: the lead's checkpoints, as the mainline's

@@ -1,13 +1,12 @@
 """The hang watchdog: an actor outside every rank that declares a rank hung and kills it.
 
 Each rank keeps one TCP connection to it
-(:class:`~ray_resilient.watchdog.progress.ProgressReporter`, over a
-:class:`~ray_resilient.heartbeats.HeartbeatLink`), opened with the attempt's secret
+(:class:`~ray_resilient.watchdog.progress.ProgressReporter`), opened with the attempt's secret
 (the actor makes it; a rank gets it through Ray with the address), as the process rank 0 named for
 that rank: any other connection is refused. The watchdog judges two ways:
 
 - **Silent.** A connected rank whose heartbeats stopped (the process stopped, its node lost) is
-  declared once its silence exceeds the :class:`~ray_resilient.heartbeats.SilenceRule` of this attempt's
+  declared once its silence exceeds the :class:`~.silence.SilenceRule` of this attempt's
   heartbeats: 2 s on a quiet machine, more where a loaded one starves live processes (a starved
   process is late, not silent). A silent rank on the watchdog's node whose process is runnable or
   used CPU since last looked at (``/proc``: starved of CPU, or its training thread holding Python's
@@ -46,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import os
@@ -60,11 +60,11 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_resilient.goodput.events import EventKind
-from ray_resilient.heartbeats import SilenceRule, read_hello, watch_heartbeats
 from ray_resilient.goodput.ledger import LedgerWriter
 from ray_resilient.storage.run import RunStorage
 from ray_resilient.watchdog.history import HangHistory
 from ray_resilient.watchdog.progress import HangWatchdogConfig
+from ray_resilient.watchdog.silence import SilenceRule
 
 logger = logging.getLogger(__name__)
 
@@ -188,8 +188,11 @@ class HangWatchdog:
                 and (known is None or all(identity.get(k) == known[k] for k in ("pid", "node_id"))))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        identity = await read_hello(reader)
-        if identity is None or not self._admits(identity):
+        try:
+            identity = json.loads(await reader.readline())
+        except (ConnectionError, ValueError):
+            identity = {}
+        if not isinstance(identity, dict) or not self._admits(identity):
             logger.warning("Refused a connection to the hang watchdog from %s: not a rank of this attempt",
                            writer.get_extra_info("peername"))
             writer.close()
@@ -198,22 +201,26 @@ class HangWatchdog:
         rank = _Rank(identity, writer)
         self._absent.pop(identity["rank"], None)
         self._ranks[identity["rank"]] = rank
-
-        def heard(message: dict[str, Any]) -> None:
-            now = time.monotonic()
-            rank.heard, rank.cpu_ticks = now, None
-            if "stack" in message:
-                if rank.stack is not None and not rank.stack.done():
-                    rank.stack.set_result(message["stack"])
-                return
-            if message["p"] != rank.progress:
-                rank.progress, rank.changed = message["p"], now
-            rank.allowance, rank.phase, rank.own_phase = message["a"], message["ph"], message["own"]
-            rank.step = message.get("s")
-
         goodbye = None
-        try:  # silence is judged by _check, with what /proc says of a rank on this node
-            goodbye = (await watch_heartbeats(reader, self._silence, heard, drop_when_silent=False)).goodbye
+        try:
+            while line := await reader.readline():
+                message = json.loads(line)
+                now = time.monotonic()
+                self._silence.heard(now - rank.heard)
+                rank.heard, rank.cpu_ticks = now, None
+                if "stack" in message:
+                    if rank.stack is not None and not rank.stack.done():
+                        rank.stack.set_result(message["stack"])
+                    continue
+                if "bye" in message:
+                    goodbye = message["bye"]
+                    break
+                if message["p"] != rank.progress:
+                    rank.progress, rank.changed = message["p"], now
+                rank.allowance, rank.phase, rank.own_phase = message["a"], message["ph"], message["own"]
+                rank.step = message.get("s")
+        except (ConnectionError, ValueError):
+            pass
         finally:
             if self._ranks.get(identity["rank"]) is rank:
                 del self._ranks[identity["rank"]]
@@ -285,7 +292,7 @@ class HangWatchdog:
             doing = ""
             rank.stack = asyncio.get_running_loop().create_future()
             try:
-                rank.writer.write(b'{"ask": "stack"}\n')
+                rank.writer.write(b"stack\n")
                 await rank.writer.drain()
                 doing = f"; its training thread is at:\n{await asyncio.wait_for(rank.stack, STACK_WAIT_S)}"
             except (asyncio.TimeoutError, ConnectionError):

@@ -6,9 +6,9 @@ file a restore verifies or fetches), :meth:`ProgressReporter.step` at a step's e
 :meth:`ProgressReporter.phase` and :meth:`ProgressReporter.saving` between steps (a
 ``Checkpointer``'s ``progress(phase)`` for work that is neither). Progress made elsewhere counts
 too: the reporter's ``sources`` (the samples a data loader's worker processes read, and the failed
-reads they retry, while the training thread waits for its batch) are polled at every beat. The
-rank's :class:`~ray_resilient.heartbeats.HeartbeatLink` sends the count to the watchdog
-(:mod:`~ray_resilient.watchdog.monitor`) with every heartbeat, with how long this
+reads they retry, while the training thread waits for its batch) are polled at every beat. A daemon
+thread sends the count to the watchdog (:mod:`~ray_resilient.watchdog.monitor`) every
+:data:`HEARTBEAT_S` (the heartbeat that tells a live rank from a stopped one), with how long this
 rank may go without progress before it counts as hung: ``max(floor_s, gap_multiple x`` the p99 of
 its recent steps' longest stretch without progress``)`` (the steps after the first
 ``startup_steps``; the stretches of a phase reported in between, an evaluation or a save, are not a
@@ -18,14 +18,18 @@ A wait the library bounds by a setting of its own is allowed that bound
 (:meth:`ProgressReporter.allowing`: waiting for a save to become durable, ``save_timeout_s``), and
 so is a ``torch.compile`` compilation (``startup_allowance_s``), wherever it happens. A step of any
 length that keeps ticking is never a hang, and a rank hung inside a long step is found about as soon
-as in a short one. Asked for it, the link sends the training thread's Python stack.
+as in a short one. Asked for it, the thread sends the training thread's Python stack.
 :meth:`ProgressReporter.close` says goodbye: done, or failing (the watchdog then stops judging the
-attempt, which Ray restarts). The library's own progress
+attempt, which Ray restarts); a forked child (a DataLoader worker) closes its copy of the
+connection, so that a rank that dies is seen gone at once. The library's own progress
 (:func:`note_progress`) also reaches listeners, where no watchdog looks (survivor mode's restore).
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import socket
 import sys
 import threading
 import time
@@ -35,12 +39,12 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
-from ray_resilient.heartbeats import HeartbeatLink, p99
+from ray_resilient.watchdog.silence import p99
 
 logger = logging.getLogger(__name__)
 
+HEARTBEAT_S = 0.25
 STEP_WINDOW = 100  # recent steps whose p99 sets the allowance
 
 
@@ -87,9 +91,14 @@ class ProgressReporter:
         self._step_gaps: deque[float] = deque(maxlen=STEP_WINDOW)  # each recent step's longest gap
         self._sources, self._sources_seen = tuple(sources), -1
         self._training_thread = threading.get_ident()
+        self._address, self._identity = address, identity
+        self._socket: socket.socket | None = None
+        self._closed = threading.Event()
+        self._goodbye = "done"
+        self._connected = threading.Event()
         _REPORTERS.add(self)
-        self._link = HeartbeatLink(lambda: _hello(address, identity), beat=self._beat, answer=self._answer,
-                                   unreachable="Could not reach the hang watchdog; this rank's hangs go undetected")
+        self._thread = threading.Thread(target=self._run, name="ray_resilient_progress", daemon=True)
+        self._thread.start()
 
     @property
     def progress(self) -> int:
@@ -187,27 +196,60 @@ class ProgressReporter:
                 self._sources_seen = seen
                 self.tick()
 
-    def _beat(self) -> dict[str, Any]:
-        self._poll_sources()
-        return {"p": self._progress, "a": self._allowance, "ph": self._phase, "own": self._own_phase,
-                "s": self._run_step}
+    def _run(self) -> None:
+        try:
+            host, port, secret = self._address()
+            if self._closed.is_set():  # closed while the watchdog was starting
+                return
+            self._socket = connection = socket.create_connection((host, port))
+            self._connected.set()
+        except Exception:  # noqa: BLE001 - without its watchdog the run trains on, as before it had one
+            if not self._closed.is_set():
+                logger.warning("Could not reach the hang watchdog; this rank's hangs go undetected", exc_info=True)
+            return
+        with connection:
+            try:
+                connection.sendall((json.dumps({**self._identity, "secret": secret}) + "\n").encode())
+                connection.settimeout(HEARTBEAT_S)
+            except OSError:
+                return
+            self._beat(connection)
 
-    def _answer(self, request: dict[str, Any]) -> dict[str, Any] | None:
-        """The training thread's Python stack, when the watchdog asks for it."""
-        if request.get("ask") != "stack":
-            return None
+    def _beat(self, connection: socket.socket) -> None:
+        buffered = b""
+        while not self._closed.is_set():
+            self._poll_sources()
+            try:
+                connection.sendall((json.dumps({"p": self._progress, "a": self._allowance, "ph": self._phase,
+                                                "own": self._own_phase, "s": self._run_step}) + "\n").encode())
+                try:
+                    buffered += connection.recv(4096)  # waits up to HEARTBEAT_S: the beat's pace
+                except socket.timeout:
+                    continue
+                if not buffered:
+                    return  # the watchdog is gone
+                if b"stack\n" in buffered:
+                    buffered = b""
+                    connection.sendall((json.dumps({"stack": self._stack()}) + "\n").encode())
+            except OSError:
+                return
+        try:
+            connection.sendall((json.dumps({"bye": self._goodbye}) + "\n").encode())
+        except OSError:
+            pass
+
+    def _stack(self) -> str:
         frame = sys._current_frames().get(self._training_thread)
-        return {"stack": "".join(traceback.format_stack(frame)) if frame is not None else "(no training thread)"}
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(no training thread)"
 
     def close(self, failed: bool = False) -> None:
         """Say goodbye and stop reporting: ``failed``, the attempt is failing (the watchdog stops
-        judging it)."""
-        self._link.close(failed)
-
-
-def _hello(address: Callable[[], tuple[str, int, str]], identity: dict) -> tuple[str, int, dict[str, Any]]:
-    host, port, secret = address()
-    return host, port, {**identity, "secret": secret}
+        judging it). The thread ends within a beat, or once the watchdog it still waits for answers
+        (not waited for: the watchdog ends with the attempt)."""
+        self._goodbye = "failed" if failed else "done"
+        self._closed.set()
+        if self._connected.is_set():
+            self._thread.join(timeout=2 * HEARTBEAT_S)
 
 
 _REPORTERS: weakref.WeakSet[ProgressReporter] = weakref.WeakSet()
@@ -234,3 +276,15 @@ def listening_to_progress(listener: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         _LISTENERS.remove(listener)
+
+
+def _close_in_forked_child() -> None:
+    """A forked child (a DataLoader worker) keeps no copy of a reporter's connection: the watchdog
+    must see the connection close when the rank dies, not when its workers notice."""
+    for reporter in list(_REPORTERS):
+        if reporter._socket is not None:
+            reporter._socket.close()
+        reporter._closed.set()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
