@@ -340,8 +340,7 @@ def summarize(attempt: Attempt, lost_after: int | None, run_start: float) -> Att
                              attempt.finished, attempt.took_over, sized.get("world_size"),
                              (min(steps), max(steps)) if steps else None, lost_after)
     # A save's durable event may come before the save's own (the writer's thread records it).
-    save_started = {e["step"]: e["t_start"] for e in events if e["kind"] == EventKind.SAVE}
-    save_ended = {e["step"]: e["t"] for e in events if e["kind"] == EventKind.SAVE}
+    saves = {e["step"]: (e["t_start"], e["t"]) for e in events if e["kind"] == EventKind.SAVE}  # its stall
     writes: list[tuple[float, float]] = []  # each durable save's write: (its stall's end, durable)
     kept: list[float] = []
     kept_spans: list[tuple[float, float]] = []
@@ -376,9 +375,10 @@ def summarize(attempt: Attempt, lost_after: int | None, run_start: float) -> Att
             marks[EventKind(kind).value].append(t0)
             if kind == EventKind.REGISTERED:
                 summary.registered.append(event["step"])
-            elif event["step"] in save_started:
-                summary.durable_latencies.append(event["t"] - save_started[event["step"]])
-                writes.append((save_ended[event["step"]], event["t"]))
+            elif event["step"] in saves:
+                stall_start, stall_end = saves[event["step"]]
+                summary.durable_latencies.append(event["t"] - stall_start)
+                writes.append((stall_end, event["t"]))
         elif kind == EventKind.RESTORE:
             summary.restore += duration
             summary.start_restore += duration
